@@ -1,0 +1,439 @@
+"""Plumbing shared by grpo.py and ppo.py.
+
+Nothing here defines an algorithm; it is what both need and nobody needs to read to understand them:
+the reference formulas (KL estimators, masked statistics, the clipped surrogate, loss aggregation,
+per-token log-probs), model and tokenizer loading (including the built-in tiny model), batched
+generation, seeding, logging and saving. Each formula is a small pure function with its source.
+"""
+
+import contextlib
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line saying what to change, never as a traceback."""
+
+
+def run_main(main):
+    """Run `main()`, turning a UsageError into a one-line message and exit status 2."""
+    try:
+        main()
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reference formulas. Each is pure and tested against an independent computation in tests/.
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of `x` over the positions where `mask` is 1: sum(x * m) / sum(m), over `dim` or everything.
+
+    Rows with no real position give 0, not NaN.
+    """
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only.
+
+    With shift_mean=False the mean is added back, so only the scale changes (used for rewards).
+    Masked positions come back as 0, so padding can never leak into a later sum. Source: the
+    `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def kl_estimate(logp, ref_logp, kind):
+    """Per-token estimate of KL(policy || ref) from the log-probs of tokens sampled from the policy.
+
+    With log r = ref_logp - logp (Schulman 2020, "Approximating KL Divergence"):
+      k1 = -log r                 unbiased, can be negative per token
+      k2 = (log r)^2 / 2          biased, always >= 0
+      k3 = (r - 1) - log r        unbiased, always >= 0 (the one GRPO puts in its loss)
+    """
+    log_r = ref_logp - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.exp(log_r) - 1 - log_r
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', not {kind!r}")
+
+
+def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
+    """Per-token PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), written as a loss to minimise.
+
+      ratio = exp(logratio),  logratio = logp - old_logp
+      loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+
+    clip_low != clip_high is DAPO's "clip-higher" (Yu et al. 2025).
+    """
+    ratio = torch.exp(logratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.max(pg_loss1, pg_loss2)
+
+
+def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
+    """Share of real tokens whose gradient the clip cut off (the clipped term was the larger loss)."""
+    ratio = torch.exp(logratio)
+    clipped = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+    return masked_mean(clipped.float(), mask)
+
+
+def approx_kl(logratio, mask):
+    """KL(old || new) over the tokens being trained, by the k3 estimator on logratio = logp - old_logp.
+
+    Logged as losses/approx_kl, the usual "has the update moved the policy too far" signal.
+    """
+    return masked_mean(torch.exp(logratio) - 1 - logratio, mask)
+
+
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(loss, mask, agg, total_seqs, total_tokens, max_new_tokens):
+    """Reduce a per-token loss [b, T] of one micro-batch to its share of the whole-batch loss.
+
+    The denominators are those of the whole batch (`total_seqs` sequences, `total_tokens` real tokens),
+    so summing the results over micro-batches gives exactly the one-batch loss, and its gradient.
+      seq-mean-token-mean      mean over each sequence's tokens, then over sequences (GRPO paper)
+      token-mean               every real token in the batch weighs the same (DAPO, Yu et al. 2025)
+      seq-mean-token-sum-norm  sum over tokens / (sequences * max_new_tokens), a constant (Dr. GRPO,
+                               Liu et al. 2025), so no length bias enters through the normaliser
+    """
+    mask = mask.to(loss.dtype)
+    if agg == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    if agg == "token-mean":
+        return (loss * mask).sum() / max(total_tokens, 1)
+    if agg == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (total_seqs * max_new_tokens)
+    raise ValueError(f"agg must be one of {LOSS_AGGREGATIONS}, not {agg!r}")
+
+
+def mask_after_eos(completion_ids, eos_ids):
+    """[B, T] mask that is 1 up to and including each row's first EOS, 0 after it.
+
+    Compares against the EOS ids, never the pad id: many tokenizers set pad = EOS.
+    A row with no EOS keeps every token.
+    """
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device))
+    T = completion_ids.shape[1]
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
+    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions counted over real tokens only, so left padding does not shift them: [0 0 0 1 2 ...]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _chunk_logprobs(hidden, labels, head, temperature, softcap):
+    logits = head(hidden).float() / temperature  # [n, vocab], float32 only for this chunk
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - logz
+    with torch.no_grad():
+        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_tokens=1024, return_entropy=False):
+    """Per-token log-probs of the completion tokens under `model`, sampled at `temperature`.
+
+    input_ids, attention_mask: [B, P + T], prompt (left-padded) then completion.
+    completion_mask: [B, T], 1 on real completion tokens. Returns logp [B, T] (0 where masked),
+    and the per-token entropy of the same distribution when return_entropy.
+
+    log p(y_t) = z_t[y_t] / temp - logsumexp(z_t / temp): the logits are divided by the sampling
+    temperature, or the ratio would compare a different distribution from the one that sampled.
+    The head runs on real tokens only, `chunk_tokens` at a time, and each chunk is recomputed in
+    the backward pass, so a float32 [B, T, vocab] tensor never exists, not even for autograd.
+    """
+    T = completion_mask.shape[1]
+    backbone = model.get_decoder()
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state
+    hidden = hidden[:, -T - 1 : -1]  # the state at position t predicts token t + 1
+    labels = input_ids[:, -T:]
+    real = completion_mask.bool()
+    hidden, labels = hidden[real], labels[real]  # [n, H], [n]
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    logps, entropies = [], []
+    for i in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[i : i + chunk_tokens], labels[i : i + chunk_tokens], head, temperature, softcap)
+        if torch.is_grad_enabled():
+            logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=input_ids.device)
+    logp = out.masked_scatter(real, torch.cat(logps)) if logps else out
+    if not return_entropy:
+        return logp
+    entropy = out.masked_scatter(real, torch.cat(entropies)) if entropies else out
+    return logp, entropy
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models, tokenizers and the built-in tiny model.
+# ---------------------------------------------------------------------------------------------------
+
+TINY_MODEL = "tiny"
+TINY_CHARS = "0123456789+-*/=() ,.:?"  # enough for every built-in task
+TINY_VERSION = 1  # bump when the recipe below changes, so old cached copies are rebuilt
+
+
+def tiny_model_dir():
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(cache, "ppo-grpo-reference", f"tiny-qwen2-v{TINY_VERSION}")
+
+
+def build_tiny_model(folder):
+    """Write the built-in tiny model: a character-level tokenizer and a ~1M-parameter Qwen2, random init.
+
+    It is saved like any hub model, so it then goes through the same AutoModel/AutoTokenizer path.
+    The init is seeded, so every machine builds the same weights.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(TINY_CHARS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    tmp = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    if os.path.isdir(folder):  # another process built it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, folder)
+
+
+def resolve_model_path(name):
+    """`tiny` means the built-in tiny model (built into the cache on first use); anything else is as given."""
+    if name == TINY_MODEL:
+        folder = tiny_model_dir()
+        if not os.path.isdir(folder):
+            build_tiny_model(folder)
+        return folder
+    if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise UsageError(
+            f"--model {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "
+            "fix the path, or pass --model tiny"
+        )
+    return name
+
+
+def _from_pretrained(loader, name, **kwargs):
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"could not load {name!r} ({first_line}): check --model, the path or your network") from None
+
+
+def quiet_transformers():
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # "Loading weights" bars would bury the training progress bar
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tokenizer = _from_pretrained(AutoTokenizer, resolve_model_path(name))
+    tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
+    """A model by hub id or local path through `loader` (an AutoModelFor... class), with every dropout set to 0.
+
+    Dropout would make the ratio differ from 1 at the first update (policy and old policy would
+    be two different random networks), so RL fine-tuning turns it off.
+    """
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    config = _from_pretrained(AutoConfig, path, **kwargs)
+    for key, value in vars(config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model = _from_pretrained(loader, path, config=config, dtype=dtype)
+    return model.to(device)
+
+
+def load_causal_lm(name, device, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return load_pretrained(AutoModelForCausalLM, name, device, dtype)
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the generation config's list (chat models have several) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation.
+# ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def generation_mode(model):
+    """Eval mode, and gradient checkpointing off: it forces use_cache=False, making decoding quadratic."""
+    was_training, was_checkpointing = model.training, getattr(model, "is_activation_checkpointing", False)
+    if was_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.eval()
+    try:
+        yield
+    finally:
+        if was_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train(was_training)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False):
+    """Sample one completion per prompt string, in one batched call with left padding and a KV cache.
+
+    Returns prompt_ids, prompt_mask [B, P] and completion_ids, completion_mask [B, T]; the mask is 0
+    after each row's first EOS.
+    """
+    from transformers import GenerationConfig
+
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else temperature,
+        top_k=0, top_p=1.0,  # transformers samples from the top 50 by default; we need the full distribution
+        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )  # fmt: skip
+    with generation_mode(model):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Seeding, logging, saving.
+# ---------------------------------------------------------------------------------------------------
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (weights stay float32, so tiny learning rates are not rounded away); off on CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated on CUDA; peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def make_writer(run_dir, args):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_dir)
+    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def print_settings(args, extra):
+    print(f"settings ({extra}):")
+    for key, value in vars(args).items():
+        print(f"  {key:<22} {value}")
+
+
+def save_model(model, tokenizer, folder):
+    """save_pretrained into a temporary folder, then rename: a crash mid-save never leaves half a model."""
+    tmp = f"{folder}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.isdir(folder):
+        old = f"{folder}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, folder)
+
+
+class Timer:
+    """Accumulates wall seconds per named phase (perf/rollout_seconds, perf/train_seconds)."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

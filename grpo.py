@@ -1,0 +1,260 @@
+"""GRPO (Group Relative Policy Optimization) for language models, in one file.
+
+Shao et al. 2024, "DeepSeekMath", section 4.1. No critic: for each prompt, sample a group of G
+completions, score them, and use each completion's reward standardised within its group as the
+advantage of every one of its tokens. The loss is the PPO-clip surrogate plus a k3 KL term to a
+frozen reference model.
+
+    python grpo.py                                                   # tiny model, copy task, CPU, ~3 min
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task copy    # a hub model gets its own preset
+    python grpo.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
+    python grpo.py --clip-high 0.28 --loss-agg token-mean                   # DAPO's clip-higher + token mean
+    python grpo.py --importance-level sequence --clip-low 3e-4 --clip-high 4e-4   # GSPO
+
+Where this departs from the paper:
+  1. With num_iterations = 1 (the default) the old policy is the current one, so the ratio is 1 and the
+     clip never acts; the old log-probs are only computed, once per step, when num_iterations > 1.
+  2. The reward std has an eps of 1e-4 added, so an all-equal group gets advantage 0, not NaN.
+  3. The log-probs use logits divided by the sampling temperature, the distribution that sampled.
+  4. --scale-rewards, --loss-agg and --importance-level switch in the Dr. GRPO, DAPO and GSPO variants.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from common import UsageError
+from tasks import PromptSampler, load_task
+
+
+@dataclass
+class Args:
+    exp_name: str = "grpo"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of Python, numpy, torch and the prompt order"""
+    model: str = common.TINY_MODEL
+    """hub id or local folder of a causal LM; `tiny` is the built-in ~1M-parameter model"""
+    task: str = "copy"
+    """task to train on (see tasks.py)"""
+    preset: Optional[Literal["tiny", "hub"]] = None
+    """which column of PRESETS fills the unset fields: `tiny` for the tiny model, `hub` for any other"""
+    num_steps: Optional[int] = None
+    """training steps; each samples prompts_per_step * group_size completions"""
+    prompts_per_step: Optional[int] = None
+    """distinct prompts per step"""
+    group_size: Optional[int] = None
+    """completions per prompt (G), the group the advantage is standardised over"""
+    max_new_tokens: Optional[int] = None
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs are computed at the same temperature"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """steps of linear learning-rate warmup from 0"""
+    max_grad_norm: float = 1.0
+    """gradients are clipped to this global norm"""
+    num_iterations: int = 1
+    """optimizer steps on each batch (mu in the paper)"""
+    clip_low: float = 0.2
+    """the ratio is clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
+    beta: Optional[float] = None
+    """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide (r - group mean) by the group's std (paper), the batch's std, or nothing (Dr. GRPO)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
+    micro_batch_size: Optional[int] = None
+    """completions per forward/backward pass; the gradient is that of the whole batch"""
+    sample_every: int = 50
+    """print a few sample completions every this many steps (0: never)"""
+    output_dir: str = "runs"
+    """TensorBoard logs and the final model go to output_dir/run_name"""
+
+
+# Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
+PRESETS = {
+    "tiny": dict(num_steps=300, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=2e-3,
+                 beta=0.0, micro_batch_size=128),
+    "hub": dict(num_steps=500, prompts_per_step=16, group_size=8, max_new_tokens=512, learning_rate=1e-6,
+                beta=0.04, micro_batch_size=8),
+}  # fmt: skip
+
+
+def check_args(args):
+    if args.group_size < 2:
+        raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
+    for name in ("prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
+    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
+        raise UsageError(f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0")
+    if args.beta < 0 or args.learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
+        raise UsageError("--beta and --warmup-steps must be >= 0, --learning-rate and --max-grad-norm > 0")
+
+
+def group_advantages(rewards, group_size, scale, eps=1e-4):
+    """GRPO's outcome advantage (DeepSeekMath, eq. in section 4.1.2): A_i = (r_i - mean(group)) / (std + eps).
+
+    rewards: [N], laid out group by group (N = num_groups * group_size). Returns [N].
+      scale="group": std of the completion's own group (the paper; torch's unbiased std)
+      scale="batch": std of all N rewards (more robust when a group is nearly constant)
+      scale="none":  no division (Dr. GRPO, Liu et al. 2025: the std biases towards easy/hard prompts)
+    A group whose rewards are all equal gets advantage 0: there is nothing to learn from it.
+    """
+    grouped = rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        advantages = advantages / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
+    return advantages.view(-1)
+
+
+def main(args):
+    preset = args.preset or ("tiny" if args.model == common.TINY_MODEL else "hub")
+    for key, value in PRESETS[preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_args(args)
+    task = load_task(args.task)
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    common.print_settings(args, f"preset {preset}, run {run_name}")
+
+    common.seed_everything(args.seed)
+    device = common.pick_device()
+    start_time = time.time()
+    tokenizer = common.load_tokenizer(args.model)
+    policy = common.load_causal_lm(args.model, device)
+    # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded.
+    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
+    eos_ids = common.eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    sampler = PromptSampler(task.train, args.seed)
+    run_dir = os.path.join(args.output_dir, run_name)
+    writer = common.make_writer(run_dir, args)
+    writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+    timer = common.Timer()
+    rewards_per_step, total_tokens = [], 0
+
+    pbar = tqdm(range(1, args.num_steps + 1), desc="grpo", dynamic_ncols=True)
+    for step in pbar:
+        # ROLLOUT: G completions for each prompt, laid out group by group.
+        with timer("rollout"):
+            examples = sampler.sample(args.prompts_per_step)
+            prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
+            answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
+            with common.autocast(device):
+                prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
+                )
+            completions = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True)
+            rewards = torch.tensor(task.score(prompts, completions, answers), device=device)  # [N]
+
+            # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
+            advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [N]
+
+            b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
+            b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+            b_mask = completion_mask  # [N, T]
+            N, num_tokens = len(prompts), int(b_mask.sum())
+            mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            with torch.no_grad(), common.autocast(device):
+                forward = lambda model, mb: common.token_logprobs(  # noqa: E731
+                    model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
+                )
+                # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
+                b_old_logp = torch.cat([forward(policy, mb) for mb in mb_slices]) if args.num_iterations > 1 else None
+                b_ref_logp = torch.cat([forward(ref_model, mb) for mb in mb_slices]) if ref_model else None
+
+        # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
+        with timer("train"):
+            policy.train()
+            for iteration in range(args.num_iterations):
+                optimizer.zero_grad(set_to_none=True)
+                stats = {k: 0.0 for k in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy")}
+                for mb in mb_slices:
+                    mb_mask = b_mask[mb]
+                    with common.autocast(device):
+                        new_logp, entropy = common.token_logprobs(
+                            policy, b_input_ids[mb], b_attention_mask[mb], mb_mask, args.temperature, return_entropy=True
+                        )  # [n, T]
+                    old_logp = b_old_logp[mb] if b_old_logp is not None else new_logp.detach()
+                    logratio = new_logp - old_logp  # [n, T]
+                    if args.importance_level == "sequence":
+                        # GSPO (Zheng et al. 2025): one ratio per completion, exp(mean_t logratio), on every token.
+                        logratio = common.masked_mean(logratio, mb_mask, dim=1)[:, None].expand_as(logratio)
+                    mb_advantages = advantages[mb, None]  # [n, 1]
+                    pg_loss = common.clipped_policy_loss(logratio, mb_advantages, args.clip_low, args.clip_high)
+                    per_token_loss = pg_loss
+                    if ref_model is not None:
+                        # The KL to the reference enters the loss (not the reward), by the k3 estimator.
+                        kl_ref = common.kl_estimate(new_logp, b_ref_logp[mb], "k3")
+                        per_token_loss = pg_loss + args.beta * kl_ref
+                        stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * len(new_logp) / N
+                    loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
+                    loss.backward()
+
+                    weight = int(mb_mask.sum()) / max(num_tokens, 1)
+                    with torch.no_grad():
+                        stats["policy_loss"] += loss.item()
+                        stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
+                        stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
+                        stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+            scheduler.step()
+
+        # LOGGING: the same names in grpo.py and ppo.py.
+        total_tokens += int(b_attention_mask.sum())
+        reward_mean = rewards.mean().item()
+        rewards_per_step.append(reward_mean)
+        lengths = b_mask.sum(1).float()
+        writer.add_scalar("charts/reward", reward_mean, step)
+        writer.add_scalar("charts/score", reward_mean, step)  # GRPO's reward is the task score: the KL is in the loss
+        writer.add_scalar("charts/reward_std", rewards.std().item(), step)
+        writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
+        for key, value in stats.items():
+            if key != "kl_ref" or ref_model is not None:
+                writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
+        writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0), step)
+        writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0), step)
+        writer.add_scalar("perf/tokens_per_second", total_tokens / sum(timer.seconds.values()), step)
+        writer.add_scalar("perf/peak_memory_gb", common.peak_memory_gb(device), step)
+        pbar.set_postfix(reward=f"{reward_mean:.3f}", len=f"{lengths.mean().item():.1f}")
+        if args.sample_every and (step % args.sample_every == 0 or step == 1):
+            for i in range(0, min(N, 3 * args.group_size), args.group_size):
+                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | reward {rewards[i].item():.2f}")
+
+    final_dir = os.path.join(run_dir, "final")
+    common.save_model(policy, tokenizer, final_dir)
+    writer.close()
+    n_first, n_last = max(1, len(rewards_per_step) // 20), max(1, len(rewards_per_step) // 10)
+    first, last = sum(rewards_per_step[:n_first]) / n_first, sum(rewards_per_step[-n_last:]) / n_last
+    print(
+        f"grpo done: {args.num_steps} steps in {time.time() - start_time:.0f}s | reward first 5% {first:.3f} -> "
+        f"last 10% {last:.3f} | peak memory {common.peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
+    )
+    return rewards_per_step
+
+
+if __name__ == "__main__":
+    common.run_main(lambda: main(tyro.cli(Args)))

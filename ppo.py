@@ -1,0 +1,373 @@
+"""PPO with a learned critic for language models (RLHF-style), in one file.
+
+Schulman et al. 2017 (PPO), as used for language models by Ziegler et al. 2019 and Ouyang et al.
+2022 (InstructGPT). A value model (its own copy of the LM with a scalar head) estimates the return
+of every prefix; the per-token reward is the task's score at the last real token minus a per-token
+KL penalty to a frozen reference; advantages come from GAE over the critic's values; the loss is
+the PPO-clip surrogate plus a clipped value loss, for several epochs over minibatches.
+
+    python ppo.py                                                    # tiny model, copy task, CPU, ~3 min
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task copy     # a hub model gets its own preset
+    python ppo.py --target-kl 0.1                                    # adaptive KL coefficient
+
+Where this departs from the papers:
+  1. The score is added at the last real token (the EOS, or the last token when there is none),
+     never at a padding position; --missing-eos-penalty lowers the score of truncated completions.
+  2. Advantages are whitened over real tokens only; returns use the unwhitened advantages.
+  3. The log-probs use logits divided by the sampling temperature, the distribution that sampled.
+  4. Weights stay float32 under bf16 autocast on GPU, so small learning rates are not rounded away.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from common import UsageError
+from tasks import PromptSampler, load_task
+
+
+@dataclass
+class Args:
+    exp_name: str = "ppo"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of Python, numpy, torch and the prompt order"""
+    model: str = common.TINY_MODEL
+    """hub id or local folder of a causal LM; `tiny` is the built-in ~1M-parameter model"""
+    critic_model: Optional[str] = None
+    """hub id or local folder the critic's backbone starts from (default: the policy's weights)"""
+    task: str = "copy"
+    """task to train on (see tasks.py)"""
+    preset: Optional[Literal["tiny", "hub"]] = None
+    """which column of PRESETS fills the unset fields: `tiny` for the tiny model, `hub` for any other"""
+    num_steps: Optional[int] = None
+    """training steps; each samples prompts_per_step * samples_per_prompt completions"""
+    prompts_per_step: Optional[int] = None
+    """distinct prompts per step"""
+    samples_per_prompt: int = 1
+    """completions per prompt (PPO needs no group: the critic provides the baseline)"""
+    max_new_tokens: Optional[int] = None
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs are computed at the same temperature"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate of the policy"""
+    critic_learning_rate: Optional[float] = None
+    """AdamW learning rate of the critic"""
+    warmup_steps: int = 0
+    """steps of linear learning-rate warmup from 0"""
+    max_grad_norm: float = 1.0
+    """gradients of each model are clipped to this global norm"""
+    update_epochs: Optional[int] = None
+    """passes over each batch"""
+    num_minibatches: Optional[int] = None
+    """optimizer steps per epoch; must divide the batch"""
+    clip_low: float = 0.2
+    """the ratio is clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """the ratio is clipped above at 1 + clip_high"""
+    kl_coef: Optional[float] = None
+    """coefficient of the per-token KL penalty in the reward; 0 (and no target_kl) loads no reference"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """estimator of the per-token KL penalty (Schulman's k1, k2, k3)"""
+    target_kl: Optional[float] = None
+    """when set, adapt kl_coef so the summed KL per completion tracks this value (Ziegler et al. 2019)"""
+    kl_horizon: int = 10000
+    """horizon of the adaptive KL controller, in completions"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of completions that never emitted EOS"""
+    gamma: float = 1.0
+    """discount factor of GAE"""
+    lam: float = 0.95
+    """lambda of GAE"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    cliprange_value: float = 0.2
+    """the new value is kept within this distance of the rollout value in the clipped value loss"""
+    micro_batch_size: Optional[int] = None
+    """completions per forward/backward pass; the gradient is that of the whole minibatch"""
+    sample_every: int = 50
+    """print a few sample completions every this many steps (0: never)"""
+    output_dir: str = "runs"
+    """TensorBoard logs and the final models go to output_dir/run_name"""
+
+
+# Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
+PRESETS = {
+    "tiny": dict(num_steps=300, prompts_per_step=64, max_new_tokens=5, learning_rate=2e-3, critic_learning_rate=2e-3,
+                 update_epochs=2, num_minibatches=2, kl_coef=0.0, micro_batch_size=128),
+    "hub": dict(num_steps=500, prompts_per_step=64, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
+                update_epochs=4, num_minibatches=4, kl_coef=0.05, micro_batch_size=8),
+}  # fmt: skip
+
+
+def check_args(args):
+    batch_size = args.prompts_per_step * args.samples_per_prompt
+    for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps", "update_epochs", "num_minibatches", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
+    if batch_size % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} completions: pick a divisor")
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
+    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
+        raise UsageError(f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise UsageError(f"--gamma {args.gamma} --lam {args.lam}: both must be in [0, 1]")
+    if args.vf_coef < 0 or args.cliprange_value <= 0 or args.kl_coef < 0 or args.missing_eos_penalty < 0:
+        raise UsageError("--vf-coef, --kl-coef and --missing-eos-penalty must be >= 0, --cliprange-value > 0")
+    if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
+        raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
+    if args.learning_rate <= 0 or args.critic_learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
+        raise UsageError("--learning-rate, --critic-learning-rate and --max-grad-norm must be > 0, --warmup-steps >= 0")
+
+
+def load_critic(name, device):
+    """The value model: its own copy of an LM backbone with a scalar head on every position's last hidden state.
+
+    AutoModelForTokenClassification with one label is exactly that, and it saves with save_pretrained.
+    Loaded from a causal-LM checkpoint, its backbone takes the LM's weights and only the head is new:
+    initialised N(0, 1/sqrt(hidden + 1)), bias 0 (Ziegler et al. 2019's reward/value head).
+    """
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the load report lists the new head as "missing": expected
+    critic = common.load_pretrained(AutoModelForTokenClassification, name, device, num_labels=1)
+    logging.set_verbosity(verbosity)
+    head = critic.score
+    torch.nn.init.normal_(head.weight, std=1 / (critic.config.hidden_size + 1) ** 0.5)
+    torch.nn.init.zeros_(head.bias)
+    return critic
+
+
+def token_values(critic, input_ids, attention_mask, completion_mask):
+    """V(s_t) for every completion token: the value of the prefix that generates it, [B, T]."""
+    T = completion_mask.shape[1]
+    position_ids = common.position_ids_from_mask(attention_mask)
+    values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
+    return values[:, -T - 1 : -1].float() * completion_mask  # the state before token t, as for log-probs
+
+
+def score_at_last_token(scores, mask):
+    """Place each completion's score at its last real token: [B] -> [B, T], zero elsewhere.
+
+    The last real token is the last position where mask is 1 (the EOS, or the last generated token when
+    there was none), so the score never lands on padding, whichever side the padding is on.
+    """
+    T = mask.shape[1]
+    last = T - 1 - mask.flip(1).argmax(1)  # [B]
+    placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    return placed.scatter(1, last[:, None], scores[:, None]) * mask
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), per token. Returns (advantages, returns).
+
+      delta_t = r_t + gamma * V_{t+1} - V_t
+      A_t     = delta_t + gamma * lam * A_{t+1}
+      R_t     = A_t + V_t                       (the critic's regression target)
+
+    rewards, values, mask: [B, T]. A masked position counts as beyond the end of the episode:
+    its value is 0 and nothing bootstraps from it. Masked positions come back as 0.
+    """
+    T = rewards.shape[1]
+    mask = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    last_gae = torch.zeros_like(values[:, 0])
+    for t in reversed(range(T)):
+        next_real = mask[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
+        next_value = values[:, t + 1] * next_real if t + 1 < T else torch.zeros_like(last_gae)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * next_real * last_gae
+        advantages[:, t] = last_gae
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def clipped_value_loss(values, old_values, returns, cliprange_value):
+    """Per-token clipped value loss (the PPO2 baselines / Ziegler et al. 2019 form):
+
+      V_clip = V_old + clip(V - V_old, -c, c)
+      loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    """
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
+
+
+def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
+    """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
+
+      error = clip(kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + error * n_completions / horizon)
+    """
+    error = min(max(kl / target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_completions / horizon)
+
+
+def main(args):
+    preset = args.preset or ("tiny" if args.model == common.TINY_MODEL else "hub")
+    for key, value in PRESETS[preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_args(args)
+    task = load_task(args.task)
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    common.print_settings(args, f"preset {preset}, run {run_name}")
+
+    common.seed_everything(args.seed)
+    device = common.pick_device()
+    start_time = time.time()
+    tokenizer = common.load_tokenizer(args.model)
+    policy = common.load_causal_lm(args.model, device)
+    # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
+    critic = load_critic(args.critic_model or args.model, device)
+    # The reference only enters through the KL penalty; with no penalty it is not even loaded.
+    use_ref = args.kl_coef > 0 or args.target_kl is not None
+    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
+    eos_ids = common.eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(
+        [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    sampler = PromptSampler(task.train, args.seed)
+    run_dir = os.path.join(args.output_dir, run_name)
+    writer = common.make_writer(run_dir, args)
+    writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+    writer.add_scalar("charts/params_critic", common.count_parameters(critic), 0)
+    writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
+    timer = common.Timer()
+    scores_per_step, total_tokens = [], 0
+    kl_coef = args.kl_coef
+
+    pbar = tqdm(range(1, args.num_steps + 1), desc="ppo", dynamic_ncols=True)
+    for step in pbar:
+        # ROLLOUT: samples_per_prompt completions for each prompt.
+        with timer("rollout"):
+            examples = sampler.sample(args.prompts_per_step)
+            prompts = [ex["prompt"] for ex in examples for _ in range(args.samples_per_prompt)]
+            answers = [ex["answer"] for ex in examples for _ in range(args.samples_per_prompt)]
+            with common.autocast(device):
+                prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
+                )
+            completions = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True)
+            scores = torch.tensor(task.score(prompts, completions, answers), device=device)  # [N]
+
+            b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
+            b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+            b_mask = completion_mask  # [N, T]
+            N = len(prompts)
+            mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            with torch.no_grad(), common.autocast(device):
+                # Old log-probs, reference log-probs and values: computed once, before any update.
+                forward = lambda model, mb: common.token_logprobs(  # noqa: E731
+                    model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
+                )
+                b_old_logp = torch.cat([forward(policy, mb) for mb in mb_slices])
+                b_ref_logp = torch.cat([forward(ref_model, mb) for mb in mb_slices]) if ref_model else b_old_logp
+                b_values = torch.cat([token_values(critic, b_input_ids[mb], b_attention_mask[mb], b_mask[mb]) for mb in mb_slices])
+
+            # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the score at the last one.
+            has_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
+            penalised_scores = scores - args.missing_eos_penalty * (~has_eos).float()
+            kl = common.kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
+            b_rewards = -kl_coef * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
+            # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
+            b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
+            b_advantages = common.masked_whiten(b_advantages, b_mask)
+
+        # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
+        with timer("train"):
+            policy.train()
+            critic.train()
+            minibatch_size = N // args.num_minibatches
+            stats = {k: 0.0 for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "clipfrac_value", "entropy")}
+            for epoch in range(args.update_epochs):
+                perm = torch.randperm(N, device=device)
+                for start in range(0, N, minibatch_size):
+                    mb_idx = perm[start : start + minibatch_size]
+                    mb_tokens = int(b_mask[mb_idx].sum())
+                    optimizer.zero_grad(set_to_none=True)
+                    for micro in range(0, minibatch_size, args.micro_batch_size):
+                        idx = mb_idx[micro : micro + args.micro_batch_size]
+                        mb_mask = b_mask[idx]
+                        with common.autocast(device):
+                            new_logp, entropy = common.token_logprobs(
+                                policy, b_input_ids[idx], b_attention_mask[idx], mb_mask, args.temperature, return_entropy=True
+                            )  # [n, T]
+                            new_values = token_values(critic, b_input_ids[idx], b_attention_mask[idx], mb_mask)  # [n, T]
+                        logratio = new_logp - b_old_logp[idx]
+                        mb_advantages = b_advantages[idx]  # [n, T]: one advantage per token
+                        pg_loss = common.clipped_policy_loss(logratio, mb_advantages, args.clip_low, args.clip_high)
+                        v_loss = clipped_value_loss(new_values, b_values[idx], b_returns[idx], args.cliprange_value)
+                        per_token_loss = pg_loss + args.vf_coef * v_loss
+                        loss = common.aggregate_loss(per_token_loss, mb_mask, "token-mean", len(mb_idx), mb_tokens, args.max_new_tokens)
+                        loss.backward()
+
+                        weight = int(mb_mask.sum()) / max(mb_tokens, 1) / (args.update_epochs * args.num_minibatches)
+                        with torch.no_grad():
+                            stats["policy_loss"] += common.masked_mean(pg_loss, mb_mask).item() * weight
+                            stats["value_loss"] += common.masked_mean(v_loss, mb_mask).item() * weight
+                            stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
+                            stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
+                            v_clipped = (new_values - b_values[idx]).abs() > args.cliprange_value
+                            stats["clipfrac_value"] += common.masked_mean(v_clipped.float(), mb_mask).item() * weight
+                            stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    optimizer.step()
+            scheduler.step()
+
+        # LOGGING: the same names in grpo.py and ppo.py.
+        total_tokens += int(b_attention_mask.sum())
+        score_mean = scores.mean().item()
+        scores_per_step.append(score_mean)
+        lengths = b_mask.sum(1).float()
+        kl_per_completion = kl.sum(1).mean().item()
+        writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score plus the KL penalty
+        writer.add_scalar("charts/score", score_mean, step)
+        writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
+        writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
+        writer.add_scalar("charts/kl_coef", kl_coef, step)
+        for key, value in stats.items():
+            writer.add_scalar(f"losses/{key}", value, step)
+        if ref_model is not None:
+            writer.add_scalar("losses/kl_ref", common.masked_mean(kl, b_mask).item(), step)
+        residual_var = common.masked_mean((b_returns - b_values) ** 2, b_mask) - common.masked_mean(b_returns - b_values, b_mask) ** 2
+        returns_var = common.masked_mean((b_returns - common.masked_mean(b_returns, b_mask)) ** 2, b_mask)
+        writer.add_scalar("losses/explained_variance", (1 - residual_var / returns_var.clamp(min=1e-8)).item(), step)
+        writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
+        writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0), step)
+        writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0), step)
+        writer.add_scalar("perf/tokens_per_second", total_tokens / sum(timer.seconds.values()), step)
+        writer.add_scalar("perf/peak_memory_gb", common.peak_memory_gb(device), step)
+        pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
+        if args.sample_every and (step % args.sample_every == 0 or step == 1):
+            for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
+                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {scores[i].item():.2f}")
+        if args.target_kl is not None:
+            kl_coef = adaptive_kl_coef(kl_coef, kl_per_completion, args.target_kl, N, args.kl_horizon)
+
+    final_dir = os.path.join(run_dir, "final")
+    common.save_model(policy, tokenizer, final_dir)
+    common.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
+    writer.close()
+    n_first, n_last = max(1, len(scores_per_step) // 20), max(1, len(scores_per_step) // 10)
+    first, last = sum(scores_per_step[:n_first]) / n_first, sum(scores_per_step[-n_last:]) / n_last
+    print(
+        f"ppo done: {args.num_steps} steps in {time.time() - start_time:.0f}s | score first 5% {first:.3f} -> "
+        f"last 10% {last:.3f} | peak memory {common.peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
+    )
+    return scores_per_step
+
+
+if __name__ == "__main__":
+    common.run_main(lambda: main(tyro.cli(Args)))
