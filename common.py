@@ -9,8 +9,10 @@ generation, seeding, logging and saving. Each formula is a small pure function w
 import contextlib
 import os
 import random
+import re
 import resource
 import shutil
+import signal
 import sys
 import time
 
@@ -25,11 +27,16 @@ class UsageError(Exception):
 
 
 def run_main(main):
-    """Run `main()`, turning a UsageError into a one-line message and exit status 2."""
+    """Run `main()`, turning a UsageError (or running out of GPU memory) into a one-line message."""
     try:
         main()
     except UsageError as e:
         sys.exit(f"error: {e}")
+    except torch.OutOfMemoryError:
+        sys.exit(
+            "error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
+            "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,6 +319,19 @@ def load_causal_lm(name, device, dtype=torch.float32):
     return load_pretrained(AutoModelForCausalLM, name, device, dtype)
 
 
+def check_vocabulary(tokenizer, task, model_name):
+    """Refuse a task whose prompts the tokenizer cannot read (the tiny model knows only TINY_CHARS)."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    for example in task.train[:200]:
+        if unk in tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]:
+            raise UsageError(
+                f"the prompts of task {task.name!r} have characters the tokenizer of {model_name!r} does not know "
+                f"(e.g. in {example['prompt'][:60]!r}): use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
+            )
+
+
 def eos_token_ids(model, tokenizer):
     """Every id that ends a completion: the generation config's list (chat models have several) and the tokenizer's."""
     ids = model.generation_config.eos_token_id
@@ -330,6 +350,15 @@ def count_parameters(model):
 # ---------------------------------------------------------------------------------------------------
 
 
+def encode_prompts(tokenizer, prompts, chat_template=True):
+    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one."""
+    if chat_template and tokenizer.chat_template:
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        texts = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
+    return tokenizer(prompts, return_tensors="pt", padding=True)
+
+
 @contextlib.contextmanager
 def generation_mode(model):
     """Eval mode, and gradient checkpointing off: it forces use_cache=False, making decoding quadratic."""
@@ -346,7 +375,7 @@ def generation_mode(model):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False):
+def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False, chat_template=True):
     """Sample one completion per prompt string, in one batched call with left padding and a KV cache.
 
     Returns prompt_ids, prompt_mask [B, P] and completion_ids, completion_mask [B, T]; the mask is 0
@@ -354,18 +383,39 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     """
     from transformers import GenerationConfig
 
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = encode_prompts(tokenizer, prompts, chat_template)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    # transformers samples from the top 50 by default; the log-probs assume the full distribution.
+    sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else temperature,
-        top_k=0, top_p=1.0,  # transformers samples from the top 50 by default; we need the full distribution
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-    )  # fmt: skip
+        max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True, **sampling
+    )
     with generation_mode(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num_examples=200, batch_size=64):
+    """Greedy completions on the held-out split: eval/accuracy (share with reward 1) and eval/reward (mean)."""
+    examples = task.test[:num_examples]
+    rewards = []
+    for i in range(0, len(examples), batch_size):
+        batch = examples[i : i + batch_size]
+        prompts, answers = [ex["prompt"] for ex in batch], [ex["answer"] for ex in batch]
+        _, _, completion_ids, completion_mask = generate(
+            model, tokenizer, prompts, max_new_tokens, 1.0, eos_ids, greedy=True, chat_template=chat_template
+        )
+        rewards += task.score(prompts, decode_completions(tokenizer, completion_ids, completion_mask), answers)
+    return {"eval/accuracy": sum(r >= 1 for r in rewards) / len(rewards), "eval/reward": sum(rewards) / len(rewards)}
+
+
+def decode_completions(tokenizer, completion_ids, completion_mask):
+    """Completion texts, cut at the first EOS (everything after it is replaced by padding and skipped)."""
+    ids = torch.where(completion_mask.bool(), completion_ids, tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -373,19 +423,36 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
 # ---------------------------------------------------------------------------------------------------
 
 
-def seed_everything(seed):
+def seed_everything(seed, deterministic=False):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:  # CPU runs are already reproducible; CUDA needs deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def pick_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device):
-    """bf16 autocast on CUDA (weights stay float32, so tiny learning rates are not rounded away); off on CPU."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name, device):
+    """`auto` is bfloat16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and name != "float32":
+        raise UsageError(f"--dtype {name} needs a GPU: use --dtype float32 (or auto) on the CPU")
+    return DTYPES[name]
+
+
+def autocast(device, dtype):
+    """Autocast to `dtype` for the forward passes. The trained weights stay float32 (the master copy):
+    a bf16 weight cannot take an update of lr 1e-6 times a gradient, it rounds back to itself."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def peak_memory_gb(device):
@@ -395,10 +462,29 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def make_writer(run_dir, args):
+def run_name(args):
+    """<task>__<exp_name>__<seed>__<unix time>, CleanRL's layout, made safe as a folder name and unique."""
+    task = re.sub(r"[^\w.-]+", "_", args.task)
+    name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    suffix = 1
+    while os.path.exists(os.path.join(args.output_dir, name if suffix == 1 else f"{name}_{suffix}")):
+        suffix += 1
+    return name if suffix == 1 else f"{name}_{suffix}"
+
+
+def apply_preset(args, presets):
+    """Fill the Args left as None from a column of `presets`: `tiny` for the built-in model, else `hub`."""
+    preset = args.preset or ("tiny" if args.model == TINY_MODEL else "hub")
+    for key, value in presets[preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return preset
+
+
+def make_writer(run_dir, args, purge_step=None):
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir, purge_step=purge_step)  # on resume, drop events logged after the checkpoint
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
@@ -410,20 +496,21 @@ def print_settings(args, extra):
         print(f"  {key:<22} {value}")
 
 
-def save_model(model, tokenizer, folder):
-    """save_pretrained into a temporary folder, then rename: a crash mid-save never leaves half a model."""
-    tmp = f"{folder}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if os.path.isdir(folder):
-        old = f"{folder}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, folder)
+def log_perf(writer, step, timer, total_tokens, device):
+    writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0.0), step)
+    writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0.0), step)
+    writer.add_scalar("perf/tokens_per_second", total_tokens / max(sum(timer.seconds.values()), 1e-9), step)
+    writer.add_scalar("perf/peak_memory_gb", peak_memory_gb(device), step)
+
+
+def print_summary(script, name, per_step, seconds, device, final_dir):
+    """The one-line summary: mean over the first 5% and the last 10% of steps (the README's benchmark)."""
+    n_first, n_last = max(1, len(per_step) // 20), max(1, len(per_step) // 10)
+    first, last = sum(per_step[:n_first]) / n_first, sum(per_step[-n_last:]) / n_last
+    print(
+        f"{script} done: {len(per_step)} steps, {seconds:.0f}s | {name} first 5% {first:.3f} -> last 10% {last:.3f} "
+        f"| peak memory {peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
+    )
 
 
 class Timer:
@@ -437,3 +524,126 @@ class Timer:
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints, resume, batch dumps and faults.
+# ---------------------------------------------------------------------------------------------------
+
+# Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
+RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir"}
+
+
+def _swap_into_place(tmp, folder):
+    """Replace `folder` by the finished `tmp`: at every moment one complete copy exists on disk."""
+    old = f"{folder}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(folder):
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(model, tokenizer, folder):
+    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model."""
+    tmp = f"{folder}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _swap_into_place(tmp, folder)
+
+
+def rng_state():
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }  # fmt: skip
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(folder, script, args, models, tokenizer, state):
+    """Everything needed to continue exactly: each model by save_pretrained (loadable by transformers and
+    vLLM as it is), and state.pt with the Args, step, optimizer, scheduler and RNG states. Atomic."""
+    tmp = f"{folder}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, model in models.items():
+        model.save_pretrained(os.path.join(tmp, name))
+        tokenizer.save_pretrained(os.path.join(tmp, name))
+    torch.save({"script": script, "args": vars(args), "rng": rng_state(), **state}, os.path.join(tmp, "state.pt"))
+    _swap_into_place(tmp, folder)
+
+
+def load_checkpoint(folder, script, args):
+    """The state of a checkpoint written by `script`, after checking it fits these Args."""
+    path = os.path.join(folder, "state.pt")
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder")
+    try:
+        state = torch.load(path, weights_only=False)  # our own file: it holds Python RNG states
+    except Exception as e:
+        raise UsageError(f"--resume {folder!r}: state.pt cannot be read ({type(e).__name__}): the checkpoint is corrupt") from None
+    if state.get("script") != script:
+        raise UsageError(f"--resume {folder!r} is a checkpoint of {state.get('script')}.py, not {script}.py: resume it with that script")
+    for key, value in vars(args).items():
+        if key not in RESUMABLE_CHANGES and state["args"].get(key) != value:
+            raise UsageError(
+                f"--resume {folder!r} was run with --{key.replace('_', '-')} {state['args'].get(key)}, not {value}: "
+                "drop the flag or pass the checkpoint's value"
+            )
+    return state
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves a checkpoint and exits.
+    A second Ctrl-C stops at once (the last checkpoint on disk stays intact: saves are atomic)."""
+
+    def __init__(self):
+        self.name = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+        print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
+
+
+def dump_batch(path, tensors):
+    """One safetensors file of named tensors (the batch dumps read by the verification snippet)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+
+
+def write_dump_metadata(dump_dir, script, args):
+    import json
+    import platform
+
+    import transformers
+
+    os.makedirs(dump_dir, exist_ok=True)
+    meta = {"script": script, "args": vars(args), "versions": {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
+    with open(os.path.join(dump_dir, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def check_finite(step, what, value, dump_path, tensors, checkpoint):
+    """Stop the run on a NaN or inf: dump the offending batch, keep the last good checkpoint untouched."""
+    if torch.isfinite(torch.as_tensor(value)).all():
+        return
+    dump_batch(dump_path, tensors)
+    where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
+    raise UsageError(
+        f"step {step}: the {what} is not finite; the batch is dumped to {dump_path} and {where}: "
+        "lower --learning-rate or check the reward function"
+    )

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import common
 from common import UsageError
-from tasks import PromptSampler, load_task
+from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Args:
     """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
     beta: Optional[float] = None
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Optional[Literal["group", "batch", "none"]] = None
     """divide (r - group mean) by the group's std (paper), the batch's std, or nothing (Dr. GRPO)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
@@ -77,18 +77,38 @@ class Args:
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
     micro_batch_size: Optional[int] = None
     """completions per forward/backward pass; the gradient is that of the whole batch"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    reward_model: Optional[str] = None
+    """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory (switched off during generation)"""
+    deterministic: bool = False
+    """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
+    eval_every: int = 0
+    """greedy evaluation on the held-out split every this many steps, logged as eval/ (0: never)"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
+    resume: Optional[str] = None
+    """checkpoint folder to continue from, with the same Args"""
+    dump_dir: Optional[str] = None
+    """write every step's batch (ids, rewards, advantages, log-probs, losses) as safetensors here"""
     sample_every: int = 50
     """print a few sample completions every this many steps (0: never)"""
     output_dir: str = "runs"
-    """TensorBoard logs and the final model go to output_dir/run_name"""
+    """TensorBoard logs, checkpoints and the final model go to output_dir/run_name"""
 
 
 # Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
+# The tiny model starts from random weights, so its reference is near uniform and beta * KL acts as an
+# entropy bonus: without it the policy turns deterministic at ~0.8 reward and stops exploring.
 PRESETS = {
-    "tiny": dict(num_steps=300, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=2e-3,
-                 beta=0.0, micro_batch_size=128),
+    "tiny": dict(num_steps=600, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=5e-4,
+                 beta=0.04, scale_rewards="batch", micro_batch_size=128),
     "hub": dict(num_steps=500, prompts_per_step=16, group_size=8, max_new_tokens=512, learning_rate=1e-6,
-                beta=0.04, micro_batch_size=8),
+                beta=0.04, scale_rewards="group", micro_batch_size=8),
 }  # fmt: skip
 
 
@@ -127,45 +147,63 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
 
 
 def main(args):
-    preset = args.preset or ("tiny" if args.model == common.TINY_MODEL else "hub")
-    for key, value in PRESETS[preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    preset = common.apply_preset(args, PRESETS)
     check_args(args)
     task = load_task(args.task)
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    common.print_settings(args, f"preset {preset}, run {run_name}")
-
-    common.seed_everything(args.seed)
     device = common.pick_device()
+    dtype = common.resolve_dtype(args.dtype, device)
+    resume = common.load_checkpoint(args.resume, "grpo", args) if args.resume else None
+    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, common.run_name(args))
+    common.print_settings(args, f"preset {preset}, run {run_dir}")
+
+    common.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
-    tokenizer = common.load_tokenizer(args.model)
-    policy = common.load_causal_lm(args.model, device)
+    policy_path = os.path.join(args.resume, "policy") if resume else args.model
+    tokenizer = common.load_tokenizer(policy_path)
+    policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded.
-    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
+    ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if args.beta > 0 else None
+    scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
+    common.check_vocabulary(tokenizer, task, args.model)
     eos_ids = common.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    run_dir = os.path.join(args.output_dir, run_name)
-    writer = common.make_writer(run_dir, args)
+    history = {"reward": [], "tokens": 0}
+    if resume:
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        sampler.load_state_dict(resume["sampler"])
+        history = resume["history"]
+        common.set_rng_state(resume["rng"])
+    first_step = resume["step"] + 1 if resume else 1
+    writer = common.make_writer(run_dir, args, purge_step=first_step)
     writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+    if args.dump_dir:
+        common.write_dump_metadata(args.dump_dir, "grpo", args)
+    checkpoint_dir = os.path.join(run_dir, "checkpoint")
+    save_checkpoint = lambda step: common.save_checkpoint(  # noqa: E731
+        checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
+        dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
+    )  # fmt: skip
+    stop = common.StopSignal()
     timer = common.Timer()
-    rewards_per_step, total_tokens = [], 0
 
-    pbar = tqdm(range(1, args.num_steps + 1), desc="grpo", dynamic_ncols=True)
+    pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group.
         with timer("rollout"):
             examples = sampler.sample(args.prompts_per_step)
             prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
             answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
-            with common.autocast(device):
+            with common.autocast(device, dtype):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
+                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
-            completions = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True)
-            rewards = torch.tensor(task.score(prompts, completions, answers), device=device)  # [N]
+            completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
+            rewards = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [N]
@@ -175,13 +213,18 @@ def main(args):
             b_mask = completion_mask  # [N, T]
             N, num_tokens = len(prompts), int(b_mask.sum())
             mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
-            with torch.no_grad(), common.autocast(device):
+            with torch.no_grad(), common.autocast(device, dtype):
                 forward = lambda model, mb: common.token_logprobs(  # noqa: E731
                     model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
                 )
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
                 b_old_logp = torch.cat([forward(policy, mb) for mb in mb_slices]) if args.num_iterations > 1 else None
                 b_ref_logp = torch.cat([forward(ref_model, mb) for mb in mb_slices]) if ref_model else None
+            dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
+                        rewards=rewards, advantages=advantages)  # fmt: skip
+            if b_ref_logp is not None:
+                dump["ref_logp"] = b_ref_logp
+            common.check_finite(step, "reward", rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
@@ -189,9 +232,10 @@ def main(args):
             for iteration in range(args.num_iterations):
                 optimizer.zero_grad(set_to_none=True)
                 stats = {k: 0.0 for k in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy")}
+                b_new_logp, b_old, b_loss = [], [], []
                 for mb in mb_slices:
                     mb_mask = b_mask[mb]
-                    with common.autocast(device):
+                    with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
                             policy, b_input_ids[mb], b_attention_mask[mb], mb_mask, args.temperature, return_entropy=True
                         )  # [n, T]
@@ -209,6 +253,11 @@ def main(args):
                         per_token_loss = pg_loss + args.beta * kl_ref
                         stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * len(new_logp) / N
                     loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
+                    b_new_logp.append(new_logp.detach())
+                    b_old.append(old_logp)
+                    b_loss.append(per_token_loss.detach() * mb_mask)
+                    dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
+                    common.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                     loss.backward()
 
                     weight = int(mb_mask.sum()) / max(num_tokens, 1)
@@ -217,14 +266,19 @@ def main(args):
                         stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
                         stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
                         stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
+                if iteration == 0:
+                    dump["loss"] = torch.tensor(stats["policy_loss"])
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                common.check_finite(step, "gradient", grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                 optimizer.step()
             scheduler.step()
+        if args.dump_dir:
+            common.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
-        total_tokens += int(b_attention_mask.sum())
+        history["tokens"] += int(b_attention_mask.sum())
         reward_mean = rewards.mean().item()
-        rewards_per_step.append(reward_mean)
+        history["reward"].append(reward_mean)
         lengths = b_mask.sum(1).float()
         writer.add_scalar("charts/reward", reward_mean, step)
         writer.add_scalar("charts/score", reward_mean, step)  # GRPO's reward is the task score: the KL is in the loss
@@ -235,25 +289,27 @@ def main(args):
             if key != "kl_ref" or ref_model is not None:
                 writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
-        writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0), step)
-        writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0), step)
-        writer.add_scalar("perf/tokens_per_second", total_tokens / sum(timer.seconds.values()), step)
-        writer.add_scalar("perf/peak_memory_gb", common.peak_memory_gb(device), step)
+        common.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(reward=f"{reward_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.group_size), args.group_size):
                 tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | reward {rewards[i].item():.2f}")
+        if args.eval_every and step % args.eval_every == 0:
+            with common.autocast(device, dtype):
+                metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, step)
+        if stop.name or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(step)
+        if stop.name:
+            writer.close()
+            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: python grpo.py --resume {checkpoint_dir}")
 
     final_dir = os.path.join(run_dir, "final")
     common.save_model(policy, tokenizer, final_dir)
     writer.close()
-    n_first, n_last = max(1, len(rewards_per_step) // 20), max(1, len(rewards_per_step) // 10)
-    first, last = sum(rewards_per_step[:n_first]) / n_first, sum(rewards_per_step[-n_last:]) / n_last
-    print(
-        f"grpo done: {args.num_steps} steps in {time.time() - start_time:.0f}s | reward first 5% {first:.3f} -> "
-        f"last 10% {last:.3f} | peak memory {common.peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
-    )
-    return rewards_per_step
+    common.print_summary("grpo", "reward", history["reward"], time.time() - start_time, device, final_dir)
+    return history["reward"]
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def main(args):
             setattr(args, key, value)
     check_args(args)
     task = load_task(args.task)
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = common.run_name(args)
     common.print_settings(args, f"preset {preset}, run {run_name}")
 
     common.seed_everything(args.seed)
@@ -231,6 +231,7 @@ def main(args):
     # The reference only enters through the KL penalty; with no penalty it is not even loaded.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
     ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
+    common.check_vocabulary(tokenizer, task, args.model)
     eos_ids = common.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(
         [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
