@@ -11,6 +11,7 @@ import os
 import random
 import re
 import resource
+import shlex
 import shutil
 import signal
 import sys
@@ -158,9 +159,10 @@ def position_ids_from_mask(attention_mask):
 
 
 def _chunk_logprobs(hidden, labels, head, temperature, softcap):
-    logits = head(hidden).float() / temperature  # [n, vocab], float32 only for this chunk
-    if softcap:
+    logits = head(hidden).float()  # [n, vocab], float32 only for this chunk
+    if softcap:  # inside the model's forward (Gemma 2), so before the sampling temperature
         logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels[:, None]).squeeze(-1) - logz
     with torch.no_grad():
@@ -284,11 +286,26 @@ def quiet_transformers():
     logging.disable_progress_bar()  # "Loading weights" bars would bury the training progress bar
 
 
+def saved_as_generic_tokenizer(path):
+    """Whether a local folder's tokenizer_config.json names the generic class (as the tiny model's does)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    except (OSError, ValueError):
+        return False
+
+
 def load_tokenizer(name):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     quiet_transformers()
-    tokenizer = _from_pretrained(AutoTokenizer, resolve_model_path(name))
+    path = resolve_model_path(name)
+    # AutoTokenizer rebuilds the tokenizer of a qwen2 model as Qwen's byte-level BPE from the vocabulary alone,
+    # ignoring tokenizer.json: the tiny model's would silently drop spaces and unknown characters.
+    loader = PreTrainedTokenizerFast if saved_as_generic_tokenizer(path) else AutoTokenizer
+    tokenizer = _from_pretrained(loader, path)
     tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -310,6 +327,9 @@ def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
     model = _from_pretrained(loader, path, config=config, dtype=dtype)
+    for module in model.modules():  # heads whose dropout no config key sets (classifier_dropout None means 0.1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     return model.to(device)
 
 
@@ -330,6 +350,25 @@ def check_vocabulary(tokenizer, task, model_name):
                 f"the prompts of task {task.name!r} have characters the tokenizer of {model_name!r} does not know "
                 f"(e.g. in {example['prompt'][:60]!r}): use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
             )
+
+
+def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat_template, batch_size=1000):
+    """Refuse a task whose longest prompt, as generation encodes it, plus max_new_tokens overflows the model's positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for examples in (task.train, task.test):
+        for i in range(0, len(examples), batch_size):
+            prompts = [example["prompt"] for example in examples[i : i + batch_size]]
+            lengths = encode_prompts(tokenizer, prompts, chat_template)["attention_mask"].sum(1)
+            longest = int(lengths.argmax())
+            length = int(lengths[longest])
+            if length + max_new_tokens > limit:
+                fix = f"lower --max-new-tokens to {limit - length} or shorten the prompts" if length < limit else "shorten the prompts"
+                raise UsageError(
+                    f"a prompt of task {task.name!r} is {length} tokens ({prompts[longest][:40]!r}...); with --max-new-tokens "
+                    f"{max_new_tokens} that is more than the {limit} positions of {model_name!r}: {fix}"
+                )
 
 
 def eos_token_ids(model, tokenizer):
@@ -387,12 +426,18 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     # transformers samples from the top 50 by default; the log-probs assume the full distribution.
-    sampling = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True, **sampling
     )
-    with generation_mode(model):
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    # generate() fills every field we leave unset from model.generation_config (a chat model's repetition
+    # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
+    model_config, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        with generation_mode(model):
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    finally:
+        model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
 
@@ -616,12 +661,23 @@ class StopSignal:
         print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
 
 
+def resume_command(script, checkpoint_dir):
+    """The command that continues this run: its own flags (load_checkpoint wants the same Args back), then --resume."""
+    flags = sys.argv[1:] if os.path.basename(sys.argv[0]) == f"{script}.py" else []  # [] when main() is called from Python
+    kept = []
+    for i, flag in enumerate(flags):
+        if not (flag.startswith("--resume=") or flag == "--resume" or (i > 0 and flags[i - 1] == "--resume")):
+            kept.append(flag)
+    return " ".join(shlex.quote(part) for part in ["python", f"{script}.py", *kept, "--resume", checkpoint_dir])
+
+
 def dump_batch(path, tensors):
     """One safetensors file of named tensors (the batch dumps read by the verification snippet)."""
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+    # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
+    save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
 
 
 def write_dump_metadata(dump_dir, script, args):

@@ -124,6 +124,9 @@ def check_args(args):
         raise UsageError(f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0")
     if args.beta < 0 or args.learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
         raise UsageError("--beta and --warmup-steps must be >= 0, --learning-rate and --max-grad-norm > 0")
+    for name in ("eval_every", "save_every", "sample_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
 
 
 def group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -167,6 +170,7 @@ def main(args):
     ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if args.beta > 0 else None
     scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     common.check_vocabulary(tokenizer, task, args.model)
+    common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = common.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
@@ -180,7 +184,8 @@ def main(args):
         common.set_rng_state(resume["rng"])
     first_step = resume["step"] + 1 if resume else 1
     writer = common.make_writer(run_dir, args, purge_step=first_step)
-    writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+    if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
+        writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
     if args.dump_dir:
         common.write_dump_metadata(args.dump_dir, "grpo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
@@ -251,12 +256,13 @@ def main(args):
                         # The KL to the reference enters the loss (not the reward), by the k3 estimator.
                         kl_ref = common.kl_estimate(new_logp, b_ref_logp[mb], "k3")
                         per_token_loss = pg_loss + args.beta * kl_ref
-                        stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * len(new_logp) / N
+                        stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * int(mb_mask.sum()) / max(num_tokens, 1)
                     loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
                     b_new_logp.append(new_logp.detach())
                     b_old.append(old_logp)
                     b_loss.append(per_token_loss.detach() * mb_mask)
-                    dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
+                    if not torch.isfinite(loss):  # the dump of a failing step holds what was computed so far
+                        dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
                     common.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                     loss.backward()
 
@@ -266,8 +272,8 @@ def main(args):
                         stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
                         stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
                         stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
-                if iteration == 0:
-                    dump["loss"] = torch.tensor(stats["policy_loss"])
+                dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
+                dump["loss"] = torch.tensor(stats["policy_loss"])  # the last iteration's, as the rest of the dump
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(step, "gradient", grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                 optimizer.step()
@@ -303,7 +309,7 @@ def main(args):
             save_checkpoint(step)
         if stop.name:
             writer.close()
-            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: python grpo.py --resume {checkpoint_dir}")
+            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {common.resume_command('grpo', checkpoint_dir)}")
 
     final_dir = os.path.join(run_dir, "final")
     common.save_model(policy, tokenizer, final_dir)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import common
 from common import UsageError
-from tasks import PromptSampler, load_task
+from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
@@ -92,10 +92,28 @@ class Args:
     """the new value is kept within this distance of the rollout value in the clipped value loss"""
     micro_batch_size: Optional[int] = None
     """completions per forward/backward pass; the gradient is that of the whole minibatch"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    reward_model: Optional[str] = None
+    """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory (switched off during generation)"""
+    deterministic: bool = False
+    """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
+    eval_every: int = 0
+    """greedy evaluation on the held-out split every this many steps, logged as eval/ (0: never)"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
+    resume: Optional[str] = None
+    """checkpoint folder to continue from, with the same Args"""
+    dump_dir: Optional[str] = None
+    """write every step's batch (ids, rewards, advantages, log-probs, losses) as safetensors here"""
     sample_every: int = 50
     """print a few sample completions every this many steps (0: never)"""
     output_dir: str = "runs"
-    """TensorBoard logs and the final models go to output_dir/run_name"""
+    """TensorBoard logs, checkpoints and the final models go to output_dir/run_name"""
 
 
 # Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
@@ -126,9 +144,12 @@ def check_args(args):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.learning_rate <= 0 or args.critic_learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
         raise UsageError("--learning-rate, --critic-learning-rate and --max-grad-norm must be > 0, --warmup-steps >= 0")
+    for name in ("eval_every", "save_every", "sample_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
 
 
-def load_critic(name, device):
+def load_critic(name, device, fresh_head=True):
     """The value model: its own copy of an LM backbone with a scalar head on every position's last hidden state.
 
     AutoModelForTokenClassification with one label is exactly that, and it saves with save_pretrained.
@@ -142,9 +163,9 @@ def load_critic(name, device):
     logging.set_verbosity_error()  # the load report lists the new head as "missing": expected
     critic = common.load_pretrained(AutoModelForTokenClassification, name, device, num_labels=1)
     logging.set_verbosity(verbosity)
-    head = critic.score
-    torch.nn.init.normal_(head.weight, std=1 / (critic.config.hidden_size + 1) ** 0.5)
-    torch.nn.init.zeros_(head.bias)
+    if fresh_head:
+        torch.nn.init.normal_(critic.score.weight, std=1 / (critic.config.hidden_size + 1) ** 0.5)
+        torch.nn.init.zeros_(critic.score.bias)
     return critic
 
 
@@ -202,6 +223,14 @@ def clipped_value_loss(values, old_values, returns, cliprange_value):
     return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
 
 
+def explained_variance(values, returns, mask):
+    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, <= 0 a useless one."""
+    residual = returns - values
+    var_residual = common.masked_mean((residual - common.masked_mean(residual, mask)) ** 2, mask)
+    var_returns = common.masked_mean((returns - common.masked_mean(returns, mask)) ** 2, mask)
+    return 1 - var_residual / var_returns.clamp(min=1e-8)
+
+
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
     """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
 
@@ -212,61 +241,80 @@ def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
 
 
 def main(args):
-    preset = args.preset or ("tiny" if args.model == common.TINY_MODEL else "hub")
-    for key, value in PRESETS[preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    preset = common.apply_preset(args, PRESETS)
     check_args(args)
     task = load_task(args.task)
-    run_name = common.run_name(args)
-    common.print_settings(args, f"preset {preset}, run {run_name}")
-
-    common.seed_everything(args.seed)
     device = common.pick_device()
+    dtype = common.resolve_dtype(args.dtype, device)
+    resume = common.load_checkpoint(args.resume, "ppo", args) if args.resume else None
+    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, common.run_name(args))
+    common.print_settings(args, f"preset {preset}, run {run_dir}")
+
+    common.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
-    tokenizer = common.load_tokenizer(args.model)
-    policy = common.load_causal_lm(args.model, device)
+    policy_path = os.path.join(args.resume, "policy") if resume else args.model
+    tokenizer = common.load_tokenizer(policy_path)
+    policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
-    critic = load_critic(args.critic_model or args.model, device)
-    # The reference only enters through the KL penalty; with no penalty it is not even loaded.
+    critic = load_critic(os.path.join(args.resume, "critic") if resume else args.critic_model or args.model, device, fresh_head=not resume)
+    if args.gradient_checkpointing:
+        for model in (policy, critic):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
-    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
+    ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if use_ref else None
+    scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     common.check_vocabulary(tokenizer, task, args.model)
+    common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = common.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(
         [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    run_dir = os.path.join(args.output_dir, run_name)
-    writer = common.make_writer(run_dir, args)
-    writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
-    writer.add_scalar("charts/params_critic", common.count_parameters(critic), 0)
-    writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
+    history = {"score": [], "tokens": 0, "kl_coef": args.kl_coef}
+    if resume:
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        sampler.load_state_dict(resume["sampler"])
+        history = resume["history"]
+        common.set_rng_state(resume["rng"])
+    first_step = resume["step"] + 1 if resume else 1
+    writer = common.make_writer(run_dir, args, purge_step=first_step)
+    if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
+        writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+        writer.add_scalar("charts/params_critic", common.count_parameters(critic), 0)
+        writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
+    if args.dump_dir:
+        common.write_dump_metadata(args.dump_dir, "ppo", args)
+    checkpoint_dir = os.path.join(run_dir, "checkpoint")
+    save_checkpoint = lambda step: common.save_checkpoint(  # noqa: E731
+        checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
+        dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
+    )  # fmt: skip
+    stop = common.StopSignal()
     timer = common.Timer()
-    scores_per_step, total_tokens = [], 0
-    kl_coef = args.kl_coef
 
-    pbar = tqdm(range(1, args.num_steps + 1), desc="ppo", dynamic_ncols=True)
+    pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
     for step in pbar:
         # ROLLOUT: samples_per_prompt completions for each prompt.
         with timer("rollout"):
             examples = sampler.sample(args.prompts_per_step)
             prompts = [ex["prompt"] for ex in examples for _ in range(args.samples_per_prompt)]
             answers = [ex["answer"] for ex in examples for _ in range(args.samples_per_prompt)]
-            with common.autocast(device):
+            with common.autocast(device, dtype):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
+                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
-            completions = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True)
-            scores = torch.tensor(task.score(prompts, completions, answers), device=device)  # [N]
+            completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
+            scores = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
             b_mask = completion_mask  # [N, T]
             N = len(prompts)
             mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
-            with torch.no_grad(), common.autocast(device):
+            with torch.no_grad(), common.autocast(device, dtype):
                 # Old log-probs, reference log-probs and values: computed once, before any update.
                 forward = lambda model, mb: common.token_logprobs(  # noqa: E731
                     model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
@@ -276,13 +324,17 @@ def main(args):
                 b_values = torch.cat([token_values(critic, b_input_ids[mb], b_attention_mask[mb], b_mask[mb]) for mb in mb_slices])
 
             # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the score at the last one.
-            has_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
+            has_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=device)) & b_mask.bool()).any(1)
             penalised_scores = scores - args.missing_eos_penalty * (~has_eos).float()
             kl = common.kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
-            b_rewards = -kl_coef * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
+            b_rewards = -history["kl_coef"] * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
             # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
             b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
             b_advantages = common.masked_whiten(b_advantages, b_mask)
+            dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
+                        scores=scores, rewards=b_rewards, values=b_values, returns=b_returns, advantages=b_advantages,
+                        old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(history["kl_coef"]))  # fmt: skip
+            common.check_finite(step, "reward", b_rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
@@ -299,7 +351,7 @@ def main(args):
                     for micro in range(0, minibatch_size, args.micro_batch_size):
                         idx = mb_idx[micro : micro + args.micro_batch_size]
                         mb_mask = b_mask[idx]
-                        with common.autocast(device):
+                        with common.autocast(device, dtype):
                             new_logp, entropy = common.token_logprobs(
                                 policy, b_input_ids[idx], b_attention_mask[idx], mb_mask, args.temperature, return_entropy=True
                             )  # [n, T]
@@ -310,6 +362,10 @@ def main(args):
                         v_loss = clipped_value_loss(new_values, b_values[idx], b_returns[idx], args.cliprange_value)
                         per_token_loss = pg_loss + args.vf_coef * v_loss
                         loss = common.aggregate_loss(per_token_loss, mb_mask, "token-mean", len(mb_idx), mb_tokens, args.max_new_tokens)
+                        if epoch == 0 and start == 0 and micro == 0:
+                            dump.update(mb_index=idx, minibatch_index=mb_idx, new_logp=new_logp.detach(), new_values=new_values.detach(),
+                                        per_token_loss=per_token_loss.detach() * mb_mask, loss=loss.detach())  # fmt: skip
+                        common.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                         loss.backward()
 
                         weight = int(mb_mask.sum()) / max(mb_tokens, 1) / (args.update_epochs * args.num_minibatches)
@@ -322,52 +378,54 @@ def main(args):
                             stats["clipfrac_value"] += common.masked_mean(v_clipped.float(), mb_mask).item() * weight
                             stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    common.check_finite(step, "gradient", grad_norm + critic_grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                     optimizer.step()
             scheduler.step()
+        if args.dump_dir:
+            common.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
-        total_tokens += int(b_attention_mask.sum())
+        history["tokens"] += int(b_attention_mask.sum())
         score_mean = scores.mean().item()
-        scores_per_step.append(score_mean)
+        history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
-        kl_per_completion = kl.sum(1).mean().item()
         writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score plus the KL penalty
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
-        writer.add_scalar("charts/kl_coef", kl_coef, step)
+        writer.add_scalar("charts/kl_coef", history["kl_coef"], step)
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
         if ref_model is not None:
             writer.add_scalar("losses/kl_ref", common.masked_mean(kl, b_mask).item(), step)
-        residual_var = common.masked_mean((b_returns - b_values) ** 2, b_mask) - common.masked_mean(b_returns - b_values, b_mask) ** 2
-        returns_var = common.masked_mean((b_returns - common.masked_mean(b_returns, b_mask)) ** 2, b_mask)
-        writer.add_scalar("losses/explained_variance", (1 - residual_var / returns_var.clamp(min=1e-8)).item(), step)
+        writer.add_scalar("losses/explained_variance", explained_variance(b_values, b_returns, b_mask).item(), step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
-        writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0), step)
-        writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0), step)
-        writer.add_scalar("perf/tokens_per_second", total_tokens / sum(timer.seconds.values()), step)
-        writer.add_scalar("perf/peak_memory_gb", common.peak_memory_gb(device), step)
+        common.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
                 tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {scores[i].item():.2f}")
+        if args.eval_every and step % args.eval_every == 0:
+            with common.autocast(device, dtype):
+                metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, step)
         if args.target_kl is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, kl_per_completion, args.target_kl, N, args.kl_horizon)
+            history["kl_coef"] = adaptive_kl_coef(history["kl_coef"], kl.sum(1).mean().item(), args.target_kl, N, args.kl_horizon)
+        if stop.name or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(step)
+        if stop.name:
+            writer.close()
+            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {common.resume_command('ppo', checkpoint_dir)}")
 
     final_dir = os.path.join(run_dir, "final")
     common.save_model(policy, tokenizer, final_dir)
     common.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
     writer.close()
-    n_first, n_last = max(1, len(scores_per_step) // 20), max(1, len(scores_per_step) // 10)
-    first, last = sum(scores_per_step[:n_first]) / n_first, sum(scores_per_step[-n_last:]) / n_last
-    print(
-        f"ppo done: {args.num_steps} steps in {time.time() - start_time:.0f}s | score first 5% {first:.3f} -> "
-        f"last 10% {last:.3f} | peak memory {common.peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
-    )
-    return scores_per_step
+    common.print_summary("ppo", "score", history["score"], time.time() - start_time, device, final_dir)
+    return history["score"]
 
 
 if __name__ == "__main__":

@@ -223,11 +223,12 @@ NUMBER = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 def parse_number(text):
     """`text` as an exact Fraction, or None: "1,000", "$1000", "1000.00" all give 1000.
 
-    Only plain decimals parse (no "1e9", "nan", "inf"): a completion like "1e999999999" must not
-    make the reward function build a billion-digit integer.
+    Only plain decimals of at most 1000 characters parse (no "1e9", "nan", "inf"): a completion like
+    "1e999999999" or a run of 5000 digits must not build a huge integer, or stop the run (Python refuses
+    to read an integer of more than 4300 digits).
     """
     text = text.strip().removeprefix("$")
-    if not NUMBER.fullmatch(text):
+    if len(text) > 1000 or not NUMBER.fullmatch(text):
         return None
     return Fraction(text.replace(",", ""))
 
@@ -319,10 +320,13 @@ def countdown_reward(prompt, completion, answer):
     `answer` is JSON: {"target": 24, "numbers": [3, 7, 25, 50]}.
     """
     spec = json.loads(answer)
-    tagged = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.DOTALL)
-    if not tagged:
+    # Searched from the end, in linear time: a lazy regex rescans the rest of the text from every
+    # unclosed "<answer>": 25 s on a 160,000-character degenerate completion.
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
         return 0.0
-    value = countdown_value(tagged[-1], spec["numbers"])
+    value = countdown_value(completion[start + len("<answer>") : end], spec["numbers"])
     if value is None:
         return 0.0
     return 1.0 if value == spec["target"] else 0.1

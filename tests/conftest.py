@@ -1,0 +1,74 @@
+"""Shared fixtures: a private model cache, the built-in tiny model, and a small random model with sharp logits."""
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xdg_cache(tmp_path_factory):
+    """Every test (and every subprocess it starts) builds and reads the tiny model here, never in ~/.cache."""
+    folder = str(tmp_path_factory.mktemp("xdg-cache"))
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = folder
+    yield folder
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """These models are tiny: a second thread gains nothing, and on a shared 2-core machine it makes the suite 4x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    import common
+
+    return common.load_tokenizer(common.TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    import common
+
+    return common.load_causal_lm(common.TINY_MODEL, torch.device("cpu")).eval()
+
+
+def make_small_model(kind="qwen2", seed=0, **overrides):
+    """A 2-layer random model with a wide init, so its logits differ a lot between tokens and positions.
+
+    The built-in tiny model's init gives nearly uniform logits, against which an off-by-one or a
+    missing temperature would hide inside the tolerance. `qwen2` has rotary positions, `gpt2`
+    absolute ones: only there does a wrong position id under left padding change the output.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    if kind == "qwen2":
+        config = dict(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False,
+            pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        )  # fmt: skip
+        config_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
+    else:
+        config = dict(
+            vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5,
+            pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        )  # fmt: skip
+        config_cls, model_cls = GPT2Config, GPT2LMHeadModel
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**config)).eval()
+
+
+@pytest.fixture(params=["qwen2", "gpt2"])
+def small_model(request):
+    return make_small_model(request.param)

@@ -1,0 +1,91 @@
+"""grpo.py: the group advantage, when the reference model is loaded, and that training improves the reward."""
+
+import statistics
+
+import pytest
+import torch
+
+import common
+import grpo
+
+
+def slow_group_advantages(rewards, group_size, scale, eps=1e-4):
+    rewards = rewards.tolist()
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    out = []
+    for group in groups:
+        mean = sum(group) / len(group)
+        if scale == "group":
+            std = statistics.stdev(group)  # sample std (n - 1), as torch.std
+        elif scale == "batch":
+            std = statistics.stdev(rewards)
+        else:
+            std, eps = 1.0, 0.0
+        out += [(r - mean) / (std + eps) for r in group]
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_a_loop(scale):
+    rewards = torch.tensor([0.1, 0.5, 0.9, 0.3, 1.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.8])  # 3 groups of 4
+    expected = slow_group_advantages(rewards, 4, scale)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4, scale), expected)
+
+
+def test_group_advantages_hand_values():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])  # mean 0.75, sample std 0.5
+    advantages = grpo.group_advantages(rewards, 4, "group")
+    torch.testing.assert_close(advantages, torch.tensor([-0.75, 0.25, 0.25, 0.25]) / (0.5 + 1e-4))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_all_equal_group_gets_exactly_zero_advantage(scale):
+    rewards = torch.tensor([0.7, 0.7, 0.7, 0.0, 1.0, 0.5])
+    advantages = grpo.group_advantages(rewards, 3, scale)
+    assert torch.equal(advantages[:3], torch.zeros(3))
+    assert torch.isfinite(advantages).all()
+    all_equal = grpo.group_advantages(torch.full((6,), 0.4), 3, scale)  # even the batch std is 0
+    assert torch.equal(all_equal, torch.zeros(6))
+
+
+def quick_args(tmp_path, **overrides):
+    args = dict(seed=1, num_steps=2, prompts_per_step=2, group_size=3, max_new_tokens=4, sample_every=0, output_dir=str(tmp_path))
+    args.update(overrides)
+    return grpo.Args(**args)
+
+
+@pytest.mark.parametrize("beta, loads", [(0.0, 1), (0.1, 2)])
+def test_reference_model_is_loaded_only_when_beta_is_positive(tmp_path, monkeypatch, beta, loads):
+    calls = []
+    load = common.load_pretrained  # every model load goes through it (load_causal_lm calls it)
+    monkeypatch.setattr(common, "load_pretrained", lambda *a, **k: calls.append(a) or load(*a, **k))
+    rewards = grpo.main(quick_args(tmp_path, beta=beta))
+    assert len(calls) == loads
+    assert len(rewards) == 2
+
+
+def test_variants_run(tmp_path):
+    """GSPO ratios, several iterations per batch (old log-probs), micro-batches and the KL term, all at once."""
+    args = quick_args(
+        tmp_path, beta=0.1, num_iterations=2, importance_level="sequence", micro_batch_size=4,
+        loss_agg="token-mean", scale_rewards="batch", clip_high=0.28,
+    )  # fmt: skip
+    rewards = grpo.main(args)
+    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)
+
+
+@pytest.mark.slow
+def test_training_improves_reward(tmp_path):
+    # Measured over seeds 1-8: first 10% 0.05-0.08 -> last 10% 0.18-0.35, a gain of at least 0.12
+    # (seed 1: 0.07 -> 0.34); ~40 s on one core.
+    # The settings are pinned, not the preset's, so a retuned preset cannot void the measured margin.
+    num_steps = 200
+    args = grpo.Args(
+        seed=1, num_steps=num_steps, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=2e-3,
+        beta=0.0, scale_rewards="group", micro_batch_size=128, output_dir=str(tmp_path), sample_every=0,
+    )  # fmt: skip
+    rewards = grpo.main(args)
+    assert len(rewards) == num_steps
+    n = num_steps // 10
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    assert last > first + 0.08, f"reward first 10% {first:.3f} -> last 10% {last:.3f}"

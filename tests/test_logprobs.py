@@ -1,0 +1,180 @@
+"""common.token_logprobs against a plain full-softmax computation, and micro-batching against one batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+from conftest import make_small_model
+
+PAD = 0
+
+
+def assert_grad_close(grad, expected):
+    """Close up to float32 summation order: these gradients reach ~50, so the tolerance scales with them."""
+    torch.testing.assert_close(grad, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-4)
+
+
+def ragged_batch():
+    """Three rows: prompts of length 4, 2 and 1 (left-padded to 4), completions of 5 tokens right-masked to 5, 3, 1."""
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(2, 32, (3, 4), generator=g)
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]])
+    prompt_ids[prompt_mask == 0] = PAD
+    completion_ids = torch.randint(2, 32, (3, 5), generator=g)
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    return input_ids, attention_mask, completion_mask
+
+
+def plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature):
+    """The textbook way: full logits, log_softmax at the temperature, then pick the next token, row by row."""
+    position_ids = torch.zeros_like(input_ids)  # a real token's position counts the real tokens before it
+    for b, row in enumerate(attention_mask.tolist()):
+        real = [t for t, m in enumerate(row) if m]
+        position_ids[b, real] = torch.arange(len(real))
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [B, L, V]
+    B, T = completion_mask.shape
+    P = input_ids.shape[1] - T
+    logp = torch.zeros(B, T)
+    entropy = torch.zeros(B, T)
+    for b in range(B):
+        for t in range(T):
+            if completion_mask[b, t]:
+                dist = logprobs[b, P + t - 1]  # the logits at position P + t - 1 predict token P + t
+                logp[b, t] = dist[input_ids[b, P + t]]
+                entropy[b, t] = -(dist.exp() * dist).sum()
+    return logp, entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_full_softmax(small_model, temperature):
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    with torch.no_grad():
+        logp, entropy = common.token_logprobs(
+            small_model, input_ids, attention_mask, completion_mask, temperature, return_entropy=True
+        )
+        expected_logp, expected_entropy = plain_logprobs(small_model, input_ids, attention_mask, completion_mask, temperature)
+    torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
+    assert (logp[completion_mask == 0] == 0).all() and (entropy[completion_mask == 0] == 0).all()
+
+
+def test_temperature_changes_the_logprobs(small_model):
+    """Guards the test above: with this model the temperature matters far beyond its tolerance."""
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    with torch.no_grad():
+        at_1 = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 1.0)
+        at_07 = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)
+    assert (at_1 - at_07)[completion_mask.bool()].abs().max() > 0.1
+
+
+def test_left_padding_does_not_change_a_row(small_model):
+    prompt, completion = torch.tensor([[5, 9, 3]]), torch.tensor([[7, 11, 4, 20]])
+    completion_mask = torch.tensor([[1, 1, 1, 0]])
+    with torch.no_grad():
+        rows = []
+        for n_pads in (0, 1, 4):
+            input_ids = torch.cat([torch.full((1, n_pads), PAD), prompt, completion], 1)
+            attention_mask = torch.cat([torch.zeros(1, n_pads, dtype=torch.long), torch.ones_like(prompt), completion_mask], 1)
+            rows.append(common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 1.0))
+    torch.testing.assert_close(rows[1], rows[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows[2], rows[0], atol=1e-5, rtol=1e-5)
+
+
+def test_small_chunks_give_the_same_values_and_gradients(small_model):
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(1))
+    params = list(small_model.parameters())
+
+    def values_and_grads(fn):
+        logp = fn()
+        return logp.detach(), torch.autograd.grad((logp * weights).sum(), params)
+
+    expected, expected_grads = values_and_grads(
+        lambda: plain_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)[0]
+    )
+    for chunk_tokens in (1, 4, 1024):
+        logp, grads = values_and_grads(
+            lambda: common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7, chunk_tokens=chunk_tokens)
+        )
+        torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+        for g, eg in zip(grads, expected_grads):
+            assert_grad_close(g, eg)
+
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_token_logprobs_with_final_logit_softcapping(temperature):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, initializer_range=0.5, final_logit_softcapping=2.0,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    with torch.no_grad():
+        logp = common.token_logprobs(model, input_ids, attention_mask, completion_mask, temperature)
+        expected, _ = plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-batching: the sum of the micro-batch losses has the gradient of the one-batch loss.
+# ---------------------------------------------------------------------------------------------------
+
+
+def six_completions():
+    g = torch.Generator().manual_seed(2)
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    input_ids = torch.randint(2, 32, (6, 7), generator=g)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, -0.2])
+    return input_ids, attention_mask, completion_mask, advantages
+
+
+def one_batch_reference_loss(per_token, mask, agg, max_new_tokens):
+    """The one-batch loss of each mode written out over python lists, independent of aggregate_loss."""
+    rows = [[v for v, m in zip(r, mr) if m] for r, mr in zip(per_token, mask.tolist())]
+    if agg == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    if agg == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    return sum(sum(r) for r in rows) / (len(rows) * max_new_tokens)
+
+
+@pytest.mark.parametrize("agg", common.LOSS_AGGREGATIONS)
+def test_micro_batches_give_the_one_batch_gradient(agg):
+    model = make_small_model()
+    ref_model = make_small_model(seed=1)
+    params = list(model.parameters())
+    input_ids, attention_mask, mask, advantages = six_completions()
+    N, num_tokens, max_new_tokens, beta = 6, int(mask.sum()), 5, 0.1
+    with torch.no_grad():
+        # An old policy a little away from the current one, so the ratio moves and the clip acts.
+        noise = 0.6 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+        old_logp = common.token_logprobs(model, input_ids, attention_mask, mask, 1.0) + noise * mask
+        ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, mask, 1.0)
+
+    def loss_of(mb):
+        new_logp = common.token_logprobs(model, input_ids[mb], attention_mask[mb], mask[mb], 1.0)
+        logratio = new_logp - old_logp[mb]
+        pg_loss = common.clipped_policy_loss(logratio, advantages[mb, None], 0.2, 0.28)
+        per_token = pg_loss + beta * common.kl_estimate(new_logp, ref_logp[mb], "k3")
+        return common.aggregate_loss(per_token, mask[mb], agg, N, num_tokens, max_new_tokens), per_token, logratio
+
+    one_batch, per_token, logratio = loss_of(slice(0, 6))
+    assert one_batch.item() == pytest.approx(one_batch_reference_loss(per_token.tolist(), mask, agg, max_new_tokens), rel=1e-5)
+    assert 0 < common.clip_fraction(logratio, advantages[:, None], 0.2, 0.28, mask) < 1  # the clip acts on some tokens
+    expected_grads = torch.autograd.grad(one_batch, params)
+    for split in ([slice(0, 2), slice(2, 6)], [slice(0, 3), slice(3, 6)], [slice(i, i + 1) for i in range(6)]):
+        total = sum(loss_of(mb)[0] for mb in split)
+        assert total.item() == pytest.approx(one_batch.item(), rel=1e-5)
+        for g, eg in zip(torch.autograd.grad(total, params), expected_grads):
+            assert_grad_close(g, eg)

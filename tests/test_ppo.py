@@ -1,0 +1,178 @@
+"""ppo.py's formulas against hand-worked values and separately written loops."""
+
+import pytest
+import torch
+
+import common
+import ppo
+
+
+def gae_by_loops(rewards, values, lengths, gamma, lam):
+    """GAE written out per sequence over its real tokens only, the way the paper states it."""
+    advantages = torch.zeros_like(rewards)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            total = 0.0
+            for k in range(t, n):
+                next_value = values[b, k + 1].item() if k + 1 < n else 0.0
+                delta = rewards[b, k].item() + gamma * next_value - values[b, k].item()
+                total += (gamma * lam) ** (k - t) * delta
+            advantages[b, t] = total
+    mask = (torch.arange(rewards.shape[1])[None, :] < torch.tensor(lengths)[:, None]).float()
+    return advantages, (advantages + values) * mask
+
+
+def test_gae_hand_worked_gamma_one():
+    # One sequence of 3 tokens, score 1 at the end, values 0.5, 0.25, 0.75; gamma 1, lam 0.95.
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25, 0.75]])
+    mask = torch.ones(1, 3)
+    # deltas: 0 + 0.25 - 0.5 = -0.25; 0 + 0.75 - 0.25 = 0.5; 1 + 0 - 0.75 = 0.25
+    # A2 = 0.25; A1 = 0.5 + 0.95 * 0.25 = 0.7375; A0 = -0.25 + 0.95 * 0.7375 = 0.450625
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(advantages, torch.tensor([[0.450625, 0.7375, 0.25]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.950625, 0.9875, 1.0]]))
+
+
+def test_gae_lam_one_gamma_one_is_return_minus_value():
+    rewards = torch.tensor([[0.1, -0.2, 1.0]])
+    values = torch.tensor([[0.3, 0.6, 0.2]])
+    advantages, returns = ppo.compute_gae(rewards, values, torch.ones(1, 3), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns, torch.tensor([[0.9, 0.8, 1.0]]))  # undiscounted reward-to-go
+    torch.testing.assert_close(advantages, returns - values)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.95), (0.99, 0.0), (0.5, 1.0)])
+def test_gae_matches_loops_with_ragged_lengths(gamma, lam):
+    torch.manual_seed(0)
+    lengths = [5, 2, 4, 1]
+    rewards, values = torch.randn(4, 5), torch.randn(4, 5)
+    mask = (torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]).float()
+    rewards = rewards * mask
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    expected_adv, expected_ret = gae_by_loops(rewards, values, lengths, gamma, lam)
+    torch.testing.assert_close(advantages, expected_adv)
+    torch.testing.assert_close(returns, expected_ret)
+
+
+def test_gae_never_bootstraps_from_padding():
+    """Garbage values and rewards after the end must not change anything before it."""
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    clean = ppo.compute_gae(rewards, torch.tensor([[0.2, 0.4, 0.0, 0.0]]), mask, 1.0, 0.95)
+    dirty = ppo.compute_gae(rewards, torch.tensor([[0.2, 0.4, 99.0, -99.0]]), mask, 1.0, 0.95)
+    for a, b in zip(clean, dirty):
+        torch.testing.assert_close(a, b)
+    assert (clean[0][:, 2:] == 0).all() and (clean[1][:, 2:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "mask, position",
+    [
+        ([1, 1, 1, 0, 0], 2),  # right padding: a completion that ended with EOS at position 2
+        ([1, 1, 1, 1, 1], 4),  # no EOS: the last generated token
+        ([0, 0, 1, 1, 0], 3),  # left and right padding
+        ([1, 0, 0, 0, 0], 0),  # an immediate EOS
+    ],
+)
+def test_score_lands_on_last_real_token(mask, position):
+    placed = ppo.score_at_last_token(torch.tensor([2.5]), torch.tensor([mask]))
+    expected = torch.zeros(1, 5)
+    expected[0, position] = 2.5
+    torch.testing.assert_close(placed, expected)
+
+
+def test_score_lands_on_first_eos_when_pad_equals_eos():
+    """pad = EOS: the completion's mask from mask_after_eos ends at the first EOS, and so does the score."""
+    eos = 1
+    completion_ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
+    mask = common.mask_after_eos(completion_ids, [eos])
+    placed = ppo.score_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert placed.nonzero().tolist() == [[0, 2], [1, 1], [2, 4]]
+    assert placed.sum().item() == 6.0
+
+
+def test_clipped_value_loss_hand_values():
+    old = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    new = torch.tensor([0.5, 0.1, -0.5, 1.0])
+    returns = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    # c = 0.2: clipped values 0.2, 0.1, -0.2, 1.0
+    # unclipped errors 0.25, 0.81, 2.25, 1.0; clipped errors 0.64, 0.81, 1.44, 1.0 -> max, halved
+    loss = ppo.clipped_value_loss(new, old, returns, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([0.32, 0.405, 1.125, 0.5]))
+
+
+def test_value_clipping_stops_the_gradient_beyond_the_range():
+    """A value that already moved past the clip range towards its target gets no more gradient (the clipped
+    term is the larger loss); one that moved away from its target keeps the full gradient (pessimistic max)."""
+    towards = torch.tensor([-0.5], requires_grad=True)
+    ppo.clipped_value_loss(towards, torch.tensor([0.0]), torch.tensor([-1.0]), 0.2).sum().backward()
+    assert towards.grad.item() == 0.0
+    away = torch.tensor([0.5], requires_grad=True)
+    ppo.clipped_value_loss(away, torch.tensor([0.0]), torch.tensor([-1.0]), 0.2).sum().backward()
+    assert away.grad.item() == pytest.approx(1.5)  # d/dv 0.5 * (v + 1)^2 at v = 0.5
+
+
+def test_kl_penalty_is_per_token_and_zero_when_policy_equals_reference():
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    for kind in ("k1", "k2", "k3"):
+        assert (common.kl_estimate(logp, logp, kind) == 0).all()
+    ref = torch.log(torch.tensor([[0.25, 0.2, 0.45]]))
+    kl = common.kl_estimate(logp, ref, "k1")
+    assert kl.shape == (1, 3)
+    torch.testing.assert_close(kl, torch.tensor([[torch.log(torch.tensor(2.0)).item(), 0.0, torch.log(torch.tensor(2.0)).item()]]))
+
+
+def test_whitening_ignores_masked_positions():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, -50.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    real = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    expected = (real - real.mean()) / torch.sqrt(real.var(unbiased=False) + 1e-8)
+    out = common.masked_whiten(x, mask)
+    torch.testing.assert_close(out[mask.bool()], expected)
+    assert (out[~mask.bool()] == 0).all()
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert ppo.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
+
+
+def test_adaptive_kl_coef_moves_towards_target():
+    assert ppo.adaptive_kl_coef(0.1, kl=12.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1 * (1 + 0.2 * 0.01))
+    assert ppo.adaptive_kl_coef(0.1, kl=3.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1 * (1 - 0.2 * 0.01))
+    assert ppo.adaptive_kl_coef(0.1, kl=6.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1)
+
+
+def test_critic_starts_from_policy_weights(tmp_path):
+    policy = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
+    backbone = dict(policy.get_decoder().named_parameters())
+    critic_backbone = dict(critic.base_model.named_parameters())
+    assert backbone.keys() == critic_backbone.keys()
+    for name, param in backbone.items():
+        assert torch.equal(param, critic_backbone[name]), name
+        assert param.data_ptr() != critic_backbone[name].data_ptr()  # its own copy, not shared
+    assert critic.score.weight.shape == (1, policy.config.hidden_size)
+
+
+def test_token_values_align_with_token_logprobs():
+    """V(s_t) is read at the position that predicts token t, like the log-prob of token t."""
+    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu")).eval()
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 1]])
+    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1]])
+    with torch.no_grad():
+        values = ppo.token_values(critic, input_ids, attention_mask, completion_mask)
+        all_values = critic(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=common.position_ids_from_mask(attention_mask)).logits[..., 0]  # fmt: skip
+    torch.testing.assert_close(values, all_values[:, 3:5])
+
+
+@pytest.mark.slow
+def test_ppo_end_to_end_score_rises(tmp_path):
+    scores = ppo.main(ppo.Args(seed=1, num_steps=150, output_dir=str(tmp_path), sample_every=0))
+    first, last = sum(scores[:15]) / 15, sum(scores[-15:]) / 15
+    assert last > first + 0.2, (first, last)
