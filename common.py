@@ -257,7 +257,7 @@ def build_tiny_model(folder):
         os.rename(tmp, folder)
 
 
-def resolve_model_path(name):
+def resolve_model_path(name, flag="--model"):
     """`tiny` means the built-in tiny model (built into the cache on first use); anything else is as given."""
     if name == TINY_MODEL:
         folder = tiny_model_dir()
@@ -266,10 +266,17 @@ def resolve_model_path(name):
         return folder
     if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise UsageError(
-            f"--model {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "
-            "fix the path, or pass --model tiny"
+            f"{flag} {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "
+            f"fix the path{', or pass --model tiny' if flag == '--model' else ''}"
         )
     return name
+
+
+def check_model_names(args, fields):
+    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag."""
+    for field in fields:
+        if getattr(args, field) not in (None, TINY_MODEL):
+            resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
 
 
 def _from_pretrained(loader, name, **kwargs):
@@ -566,8 +573,12 @@ class Timer:
 
     @contextlib.contextmanager
     def __call__(self, name):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # kernels run asynchronously: count each phase's own work
         start = time.perf_counter()
         yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 

@@ -152,6 +152,7 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
 def main(args):
     preset = common.apply_preset(args, PRESETS)
     check_args(args)
+    common.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
     device = common.pick_device()
     dtype = common.resolve_dtype(args.dtype, device)
