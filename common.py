@@ -16,11 +16,41 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class RunArgs:
+    """Flags both scripts share that leave the algorithm as it is: prompts and rewards, precision, checkpoints, logs."""
+
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    reward_model: Optional[str] = None
+    """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory (switched off during generation)"""
+    deterministic: bool = False
+    """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
+    eval_every: int = 0
+    """greedy evaluation on the held-out split every this many steps, logged as eval/ (0: never)"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
+    resume: Optional[str] = None
+    """checkpoint folder to continue from, with the same Args"""
+    dump_dir: Optional[str] = None
+    """write every step's batch (ids, rewards, advantages, log-probs, losses) as safetensors here"""
+    sample_every: int = 50
+    """print a few sample completions every this many steps (0: never)"""
+    output_dir: str = "runs"
+    """TensorBoard logs, checkpoints and the final model(s) go to output_dir/run_name"""
 
 
 class UsageError(Exception):
@@ -405,18 +435,30 @@ def encode_prompts(tokenizer, prompts, chat_template=True):
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
+def set_activation_checkpointing(model, on):
+    """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False}) if on else model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @contextlib.contextmanager
 def generation_mode(model):
-    """Eval mode, and gradient checkpointing off: it forces use_cache=False, making decoding quadratic."""
-    was_training, was_checkpointing = model.training, getattr(model, "is_activation_checkpointing", False)
+    """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
+    was_training = model.training
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    was_checkpointing = getattr(model, flag, False)
     if was_checkpointing:
-        model.gradient_checkpointing_disable()
+        set_activation_checkpointing(model, False)
     model.eval()
     try:
         yield
     finally:
         if was_checkpointing:
-            model.gradient_checkpointing_enable()
+            set_activation_checkpointing(model, True)
         model.train(was_training)
 
 

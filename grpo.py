@@ -5,8 +5,8 @@ completions, score them, and use each completion's reward standardised within it
 advantage of every one of its tokens. The loss is the PPO-clip surrogate plus a k3 KL term to a
 frozen reference model.
 
-    python grpo.py                                                   # tiny model, copy task, CPU, ~3 min
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task copy    # a hub model gets its own preset
+    python grpo.py                                                   # tiny model, copy task, CPU, ~1.5 min
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets its own preset
     python grpo.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --clip-high 0.28 --loss-agg token-mean                   # DAPO's clip-higher + token mean
     python grpo.py --importance-level sequence --clip-low 3e-4 --clip-high 4e-4   # GSPO
@@ -34,7 +34,9 @@ from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
-class Args:
+class Args(common.RunArgs):
+    """GRPO (see the top of grpo.py). The first flags, for data, precision, checkpoints and logs, are shared with ppo.py."""
+
     exp_name: str = "grpo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -77,28 +79,6 @@ class Args:
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
     micro_batch_size: Optional[int] = None
     """completions per forward/backward pass; the gradient is that of the whole batch"""
-    chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
-    reward_model: Optional[str] = None
-    """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory (switched off during generation)"""
-    deterministic: bool = False
-    """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
-    eval_every: int = 0
-    """greedy evaluation on the held-out split every this many steps, logged as eval/ (0: never)"""
-    save_every: int = 0
-    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
-    resume: Optional[str] = None
-    """checkpoint folder to continue from, with the same Args"""
-    dump_dir: Optional[str] = None
-    """write every step's batch (ids, rewards, advantages, log-probs, losses) as safetensors here"""
-    sample_every: int = 50
-    """print a few sample completions every this many steps (0: never)"""
-    output_dir: str = "runs"
-    """TensorBoard logs, checkpoints and the final model go to output_dir/run_name"""
 
 
 # Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
@@ -166,7 +146,7 @@ def main(args):
     tokenizer = common.load_tokenizer(policy_path)
     policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        common.set_activation_checkpointing(policy, True)
     # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded.
     ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if args.beta > 0 else None
     scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
@@ -187,6 +167,7 @@ def main(args):
     writer = common.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
+        writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
     if args.dump_dir:
         common.write_dump_metadata(args.dump_dir, "grpo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")

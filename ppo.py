@@ -6,8 +6,8 @@ of every prefix; the per-token reward is the task's score at the last real token
 KL penalty to a frozen reference; advantages come from GAE over the critic's values; the loss is
 the PPO-clip surrogate plus a clipped value loss, for several epochs over minibatches.
 
-    python ppo.py                                                    # tiny model, copy task, CPU, ~3 min
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task copy     # a hub model gets its own preset
+    python ppo.py                                                    # tiny model, copy task, CPU, ~1.5 min
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets its own preset
     python ppo.py --target-kl 0.1                                    # adaptive KL coefficient
 
 Where this departs from the papers:
@@ -33,7 +33,9 @@ from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
-class Args:
+class Args(common.RunArgs):
+    """PPO with a critic (see the top of ppo.py). The first flags, for data, precision, checkpoints and logs, are shared with grpo.py."""
+
     exp_name: str = "ppo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -92,28 +94,6 @@ class Args:
     """the new value is kept within this distance of the rollout value in the clipped value loss"""
     micro_batch_size: Optional[int] = None
     """completions per forward/backward pass; the gradient is that of the whole minibatch"""
-    chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
-    reward_model: Optional[str] = None
-    """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory (switched off during generation)"""
-    deterministic: bool = False
-    """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
-    eval_every: int = 0
-    """greedy evaluation on the held-out split every this many steps, logged as eval/ (0: never)"""
-    save_every: int = 0
-    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
-    resume: Optional[str] = None
-    """checkpoint folder to continue from, with the same Args"""
-    dump_dir: Optional[str] = None
-    """write every step's batch (ids, rewards, advantages, log-probs, losses) as safetensors here"""
-    sample_every: int = 50
-    """print a few sample completions every this many steps (0: never)"""
-    output_dir: str = "runs"
-    """TensorBoard logs, checkpoints and the final models go to output_dir/run_name"""
 
 
 # Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
@@ -262,7 +242,7 @@ def main(args):
     critic = load_critic(os.path.join(args.resume, "critic") if resume else args.critic_model or args.model, device, fresh_head=not resume)
     if args.gradient_checkpointing:
         for model in (policy, critic):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            common.set_activation_checkpointing(model, True)
     # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
     ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if use_ref else None

@@ -337,7 +337,7 @@ def checkpointing_flags(model):
 def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
     model = common.load_causal_lm(qwen2_dir, CPU)
     tokenizer = common.load_tokenizer(qwen2_dir)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    common.set_activation_checkpointing(model, True)
     model.train()
     assert any(checkpointing_flags(model))
     seen = []
