@@ -28,13 +28,14 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import bookkeeping
 import common
 from common import UsageError
 from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
-class Args(common.RunArgs):
+class Args(bookkeeping.RunArgs):
     """GRPO (see the top of grpo.py). The first flags, for data, precision, checkpoints and logs, are shared with ppo.py."""
 
     exp_name: str = "grpo"
@@ -130,17 +131,17 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
 
 
 def main(args):
-    preset = common.apply_preset(args, PRESETS)
+    preset = bookkeeping.apply_preset(args, PRESETS)
     check_args(args)
     common.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
     device = common.pick_device()
     dtype = common.resolve_dtype(args.dtype, device)
-    resume = common.load_checkpoint(args.resume, "grpo", args) if args.resume else None
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, common.run_name(args))
-    common.print_settings(args, f"preset {preset}, run {run_dir}")
+    resume = bookkeeping.load_checkpoint(args.resume, "grpo", args) if args.resume else None
+    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, bookkeeping.run_name(args))
+    bookkeeping.print_settings(args, f"preset {preset}, run {run_dir}")
 
-    common.seed_everything(args.seed, args.deterministic)
+    bookkeeping.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
     policy_path = os.path.join(args.resume, "policy") if resume else args.model
     tokenizer = common.load_tokenizer(policy_path)
@@ -156,27 +157,20 @@ def main(args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    history = {"reward": [], "tokens": 0}
-    if resume:
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        sampler.load_state_dict(resume["sampler"])
-        history = resume["history"]
-        common.set_rng_state(resume["rng"])
-    first_step = resume["step"] + 1 if resume else 1
-    writer = common.make_writer(run_dir, args, purge_step=first_step)
+    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"reward": [], "tokens": 0})
+    writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
         writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
     if args.dump_dir:
-        common.write_dump_metadata(args.dump_dir, "grpo", args)
+        bookkeeping.write_dump_metadata(args.dump_dir, "grpo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    save_checkpoint = lambda step: common.save_checkpoint(  # noqa: E731
+    save_checkpoint = lambda step: bookkeeping.save_checkpoint(  # noqa: E731
         checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
         dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
     )  # fmt: skip
-    stop = common.StopSignal()
-    timer = common.Timer()
+    stop = bookkeeping.StopSignal()
+    timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
     for step in pbar:
@@ -211,7 +205,7 @@ def main(args):
                         rewards=rewards, advantages=advantages)  # fmt: skip
             if b_ref_logp is not None:
                 dump["ref_logp"] = b_ref_logp
-            common.check_finite(step, "reward", rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+            bookkeeping.check_finite(step, "reward", rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
@@ -245,7 +239,7 @@ def main(args):
                     b_loss.append(per_token_loss.detach() * mb_mask)
                     if not torch.isfinite(loss):  # the dump of a failing step holds what was computed so far
                         dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
-                    common.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                    bookkeeping.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                     loss.backward()
 
                     weight = int(mb_mask.sum()) / max(num_tokens, 1)
@@ -257,11 +251,11 @@ def main(args):
                 dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
                 dump["loss"] = torch.tensor(stats["policy_loss"])  # the last iteration's, as the rest of the dump
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                common.check_finite(step, "gradient", grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                bookkeeping.check_finite(step, "gradient", grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                 optimizer.step()
             scheduler.step()
         if args.dump_dir:
-            common.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+            bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += int(b_attention_mask.sum())
@@ -277,7 +271,7 @@ def main(args):
             if key != "kl_ref" or ref_model is not None:
                 writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
-        common.log_perf(writer, step, timer, history["tokens"], device)
+        bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(reward=f"{reward_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.group_size), args.group_size):
@@ -291,14 +285,14 @@ def main(args):
             save_checkpoint(step)
         if stop.name:
             writer.close()
-            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {common.resume_command('grpo', checkpoint_dir)}")
+            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {bookkeeping.resume_command('grpo', checkpoint_dir)}")
 
     final_dir = os.path.join(run_dir, "final")
-    common.save_model(policy, tokenizer, final_dir)
+    bookkeeping.save_model(policy, tokenizer, final_dir)
     writer.close()
-    common.print_summary("grpo", "reward", history["reward"], time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary("grpo", "reward", history["reward"], time.time() - start_time, device, final_dir)
     return history["reward"]
 
 
 if __name__ == "__main__":
-    common.run_main(lambda: main(tyro.cli(Args)))
+    bookkeeping.run_main(lambda: main(tyro.cli(Args)))

@@ -27,13 +27,14 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import bookkeeping
 import common
 from common import UsageError
 from tasks import PromptSampler, RewardModel, load_task
 
 
 @dataclass
-class Args(common.RunArgs):
+class Args(bookkeeping.RunArgs):
     """PPO with a critic (see the top of ppo.py). The first flags, for data, precision, checkpoints and logs, are shared with grpo.py."""
 
     exp_name: str = "ppo"
@@ -223,17 +224,17 @@ def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
 
 
 def main(args):
-    preset = common.apply_preset(args, PRESETS)
+    preset = bookkeeping.apply_preset(args, PRESETS)
     check_args(args)
     common.check_model_names(args, ["model", "critic_model", "reward_model"])
     task = load_task(args.task)
     device = common.pick_device()
     dtype = common.resolve_dtype(args.dtype, device)
-    resume = common.load_checkpoint(args.resume, "ppo", args) if args.resume else None
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, common.run_name(args))
-    common.print_settings(args, f"preset {preset}, run {run_dir}")
+    resume = bookkeeping.load_checkpoint(args.resume, "ppo", args) if args.resume else None
+    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, bookkeeping.run_name(args))
+    bookkeeping.print_settings(args, f"preset {preset}, run {run_dir}")
 
-    common.seed_everything(args.seed, args.deterministic)
+    bookkeeping.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
     policy_path = os.path.join(args.resume, "policy") if resume else args.model
     tokenizer = common.load_tokenizer(policy_path)
@@ -255,28 +256,21 @@ def main(args):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    history = {"score": [], "tokens": 0, "kl_coef": args.kl_coef}
-    if resume:
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        sampler.load_state_dict(resume["sampler"])
-        history = resume["history"]
-        common.set_rng_state(resume["rng"])
-    first_step = resume["step"] + 1 if resume else 1
-    writer = common.make_writer(run_dir, args, purge_step=first_step)
+    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "tokens": 0, "kl_coef": args.kl_coef})
+    writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
         writer.add_scalar("charts/params_critic", common.count_parameters(critic), 0)
         writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
     if args.dump_dir:
-        common.write_dump_metadata(args.dump_dir, "ppo", args)
+        bookkeeping.write_dump_metadata(args.dump_dir, "ppo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    save_checkpoint = lambda step: common.save_checkpoint(  # noqa: E731
+    save_checkpoint = lambda step: bookkeeping.save_checkpoint(  # noqa: E731
         checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
         dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
     )  # fmt: skip
-    stop = common.StopSignal()
-    timer = common.Timer()
+    stop = bookkeeping.StopSignal()
+    timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
     for step in pbar:
@@ -317,7 +311,7 @@ def main(args):
             dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
                         scores=scores, rewards=b_rewards, values=b_values, returns=b_returns, advantages=b_advantages,
                         old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(history["kl_coef"]))  # fmt: skip
-            common.check_finite(step, "reward", b_rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+            bookkeeping.check_finite(step, "reward", b_rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
@@ -348,7 +342,7 @@ def main(args):
                         if epoch == 0 and start == 0 and micro == 0:
                             dump.update(mb_index=idx, minibatch_index=mb_idx, new_logp=new_logp.detach(), new_values=new_values.detach(),
                                         per_token_loss=per_token_loss.detach() * mb_mask, loss=loss.detach())  # fmt: skip
-                        common.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                        bookkeeping.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                         loss.backward()
 
                         weight = int(mb_mask.sum()) / max(mb_tokens, 1) / (args.update_epochs * args.num_minibatches)
@@ -362,11 +356,11 @@ def main(args):
                             stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    common.check_finite(step, "gradient", grad_norm + critic_grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                    bookkeeping.check_finite(step, "gradient", grad_norm + critic_grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
                     optimizer.step()
             scheduler.step()
         if args.dump_dir:
-            common.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+            bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += int(b_attention_mask.sum())
@@ -385,7 +379,7 @@ def main(args):
             writer.add_scalar("losses/kl_ref", common.masked_mean(kl, b_mask).item(), step)
         writer.add_scalar("losses/explained_variance", explained_variance(b_values, b_returns, b_mask).item(), step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
-        common.log_perf(writer, step, timer, history["tokens"], device)
+        bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
@@ -401,15 +395,15 @@ def main(args):
             save_checkpoint(step)
         if stop.name:
             writer.close()
-            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {common.resume_command('ppo', checkpoint_dir)}")
+            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {bookkeeping.resume_command('ppo', checkpoint_dir)}")
 
     final_dir = os.path.join(run_dir, "final")
-    common.save_model(policy, tokenizer, final_dir)
-    common.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
+    bookkeeping.save_model(policy, tokenizer, final_dir)
+    bookkeeping.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
     writer.close()
-    common.print_summary("ppo", "score", history["score"], time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary("ppo", "score", history["score"], time.time() - start_time, device, final_dir)
     return history["score"]
 
 
 if __name__ == "__main__":
-    common.run_main(lambda: main(tyro.cli(Args)))
+    bookkeeping.run_main(lambda: main(tyro.cli(Args)))

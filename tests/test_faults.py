@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import bookkeeping
 import common
 import grpo
 import ppo
@@ -81,10 +82,10 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
 
 def test_resume_command_repeats_the_flags_but_not_the_old_resume(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--learning-rate", "1e-3", "--resume", "old/checkpoint", "--task", "jsonl:my data.jsonl"])
-    command = common.resume_command("grpo", "runs/x/checkpoint")
+    command = bookkeeping.resume_command("grpo", "runs/x/checkpoint")
     assert command == "python grpo.py --learning-rate 1e-3 --task 'jsonl:my data.jsonl' --resume runs/x/checkpoint"
     monkeypatch.setattr(sys, "argv", ["pytest", "-q"])  # main() called from Python: no flags to repeat
-    assert common.resume_command("ppo", "c") == "python ppo.py --resume c"
+    assert bookkeeping.resume_command("ppo", "c") == "python ppo.py --resume c"
 
 
 def quick_args(script, tmp_path, **overrides):
@@ -113,7 +114,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(script, tmp_path, 
     checkpoint, dumped = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "nonfinite_step2.safetensors")
     assert checkpoint in str(error.value) and dumped in str(error.value)
 
-    assert common.load_checkpoint(checkpoint, script, args)["step"] == 1
+    assert bookkeeping.load_checkpoint(checkpoint, script, args)["step"] == 1
     policy = common.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
     assert all(torch.isfinite(p).all() for p in policy.parameters())
     batch = load_file(dumped)
@@ -140,6 +141,6 @@ def test_out_of_memory_names_the_flags_to_lower(script, tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "token_logprobs", out_of_memory)
     with pytest.raises(SystemExit) as stop:
-        common.run_main(lambda: SCRIPTS[script].main(quick_args(script, tmp_path)))
+        bookkeeping.run_main(lambda: SCRIPTS[script].main(quick_args(script, tmp_path)))
     message = str(stop.value.code)
     assert message.startswith("error: out of GPU memory") and "--micro-batch-size" in message

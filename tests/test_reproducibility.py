@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import bookkeeping
 import common
 import grpo
 import ppo
@@ -30,7 +31,7 @@ def quick_args(script, output_dir, **overrides):
 def resolved_args(script, output_dir, **overrides):
     """quick_args with the preset applied, as main() has them when it reads a checkpoint."""
     args = quick_args(script, output_dir, **overrides)
-    common.apply_preset(args, SCRIPTS[script].PRESETS)
+    bookkeeping.apply_preset(args, SCRIPTS[script].PRESETS)
     return args
 
 
@@ -77,6 +78,22 @@ def test_same_seed_same_run(script, tmp_path):
     assert_same_weights(weights_a, weights_b)
 
 
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_deterministic_flag_turns_on_deterministic_algorithms_and_reproduces(script, tmp_path):
+    """--deterministic (what a GPU run needs) switches torch's deterministic algorithms on, and changes no result on CPU."""
+    try:
+        results = []
+        for name in ("a", "b"):
+            per_step = SCRIPTS[script].main(quick_args(script, tmp_path / name, deterministic=True))
+            assert torch.are_deterministic_algorithms_enabled()
+            results.append((per_step, logged_scalars(only_run_dir(tmp_path / name))))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    plain = SCRIPTS[script].main(quick_args(script, tmp_path / "plain"))
+    assert results[0] == results[1]
+    assert results[0][0] == plain
+
+
 def test_another_seed_another_run(tmp_path):
     """The check above can fail: a different seed changes the logged numbers."""
     grpo.main(quick_args("grpo", tmp_path / "a", seed=1))
@@ -92,7 +109,7 @@ def test_resume_continues_exactly(script, tmp_path):
     first = main(quick_args(script, tmp_path / "parts", num_steps=k, save_every=k))
     run_dir = only_run_dir(tmp_path / "parts")
     checkpoint = os.path.join(run_dir, "checkpoint")
-    assert common.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k))["step"] == k
+    assert bookkeeping.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k))["step"] == k
     resumed = main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=checkpoint))
 
     assert first == whole[:k]
@@ -133,7 +150,7 @@ def test_resume_with_other_args_names_the_flag(grpo_checkpoint, tmp_path, monkey
 
 def test_resume_may_change_what_does_not_change_the_trajectory(grpo_checkpoint, tmp_path):
     args = resolved_args("grpo", tmp_path, num_steps=5, save_every=3, sample_every=7, eval_every=9, dump_dir=str(tmp_path / "d"))
-    assert common.load_checkpoint(grpo_checkpoint, "grpo", args)["step"] == 1
+    assert bookkeeping.load_checkpoint(grpo_checkpoint, "grpo", args)["step"] == 1
 
 
 def test_resume_from_a_missing_folder(tmp_path):
@@ -190,7 +207,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
 
     checkpoint = os.path.join(only_run_dir(tmp_path), "checkpoint")
     assert len(saves) == 2 and checkpoint_step(checkpoint) == 1
-    assert common.load_checkpoint(checkpoint, "grpo", args)["step"] == 1
+    assert bookkeeping.load_checkpoint(checkpoint, "grpo", args)["step"] == 1
     policy = common.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
     assert common.count_parameters(policy) > 0
     # and the run resumes from it, to the end

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import pytest
 
+import bookkeeping
 import common
 import tasks
 from common import UsageError
@@ -309,7 +310,7 @@ def test_gsm8k_without_datasets_gives_a_one_line_message(monkeypatch, capsys):
     with pytest.raises(UsageError, match="pip install datasets"):
         load_task("gsm8k")
     with pytest.raises(SystemExit) as exit_info:
-        common.run_main(lambda: load_task("gsm8k:format"))
+        bookkeeping.run_main(lambda: load_task("gsm8k:format"))
     message = str(exit_info.value.code)
     assert message == "error: task gsm8k needs the datasets library: pip install datasets"
 
