@@ -12,6 +12,7 @@ import operator
 import os
 import re
 import signal
+import types
 from fractions import Fraction
 
 import pytest
@@ -316,12 +317,12 @@ def test_gsm8k_without_datasets_gives_a_one_line_message(monkeypatch, capsys):
 
 
 def test_gsm8k_download_failure_is_a_usage_error(monkeypatch):
-    import datasets
+    """A stand-in `datasets` whose download fails: the test needs no optional package and no network."""
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nlong details")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setitem(__import__("sys").modules, "datasets", types.SimpleNamespace(load_dataset=offline))
     with pytest.raises(UsageError, match=r"could not load openai/gsm8k \(Couldn't reach .*\): check your network") as e:
         load_task("gsm8k")
     assert "\n" not in str(e.value)
