@@ -262,10 +262,14 @@ def resume_command(script, checkpoint_dir):
 
 
 def dump_batch(path, tensors):
-    """One safetensors file of named tensors (the batch dumps read by the verification snippet)."""
+    """One safetensors file of named tensors (the batch dumps read by the verification snippet).
+
+    A value may be a list of micro-batch pieces, concatenated here, so the loop only appends to it.
+    """
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tensors = {k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if not (isinstance(v, list) and not v)}
     # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
     save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
 
@@ -283,10 +287,11 @@ def write_dump_metadata(dump_dir, script, args):
         json.dump(meta, f, indent=2)
 
 
-def check_finite(step, what, value, dump_path, tensors, checkpoint):
-    """Stop the run on a NaN or inf: dump the offending batch, keep the last good checkpoint untouched."""
+def check_finite(step, what, value, run_dir, tensors):
+    """Stop the run on a NaN or inf: dump the offending batch beside the run, keep the last good checkpoint untouched."""
     if torch.isfinite(torch.as_tensor(value)).all():
         return
+    dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), os.path.join(run_dir, "checkpoint")
     dump_batch(dump_path, tensors)
     where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
     raise UsageError(

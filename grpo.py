@@ -157,7 +157,7 @@ def main(args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"reward": [], "tokens": 0})
+    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "tokens": 0})
     writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
@@ -205,15 +205,15 @@ def main(args):
                         rewards=rewards, advantages=advantages)  # fmt: skip
             if b_ref_logp is not None:
                 dump["ref_logp"] = b_ref_logp
-            bookkeeping.check_finite(step, "reward", rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+            bookkeeping.check_finite(step, "reward", rewards, run_dir, dump)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
             policy.train()
+            stats = {k: 0.0 for k in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy")}
             for iteration in range(args.num_iterations):
                 optimizer.zero_grad(set_to_none=True)
-                stats = {k: 0.0 for k in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy")}
-                b_new_logp, b_old, b_loss = [], [], []
+                dump.update(old_logp=[], new_logp=[], per_token_loss=[], loss=0.0)  # this iteration's
                 for mb in mb_slices:
                     mb_mask = b_mask[mb]
                     with common.autocast(device, dtype):
@@ -232,26 +232,24 @@ def main(args):
                         # The KL to the reference enters the loss (not the reward), by the k3 estimator.
                         kl_ref = common.kl_estimate(new_logp, b_ref_logp[mb], "k3")
                         per_token_loss = pg_loss + args.beta * kl_ref
-                        stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * int(mb_mask.sum()) / max(num_tokens, 1)
                     loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
-                    b_new_logp.append(new_logp.detach())
-                    b_old.append(old_logp)
-                    b_loss.append(per_token_loss.detach() * mb_mask)
-                    if not torch.isfinite(loss):  # the dump of a failing step holds what was computed so far
-                        dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
-                    bookkeeping.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                    dump["old_logp"].append(old_logp)
+                    dump["new_logp"].append(new_logp.detach())
+                    dump["per_token_loss"].append(per_token_loss.detach() * mb_mask)
+                    dump["loss"] += loss.item()
+                    bookkeeping.check_finite(step, "loss", loss.detach(), run_dir, dump)
                     loss.backward()
 
-                    weight = int(mb_mask.sum()) / max(num_tokens, 1)
+                    weight = int(mb_mask.sum()) / max(num_tokens, 1) / args.num_iterations  # mean over all updates, as in ppo.py
                     with torch.no_grad():
-                        stats["policy_loss"] += loss.item()
+                        stats["policy_loss"] += common.masked_mean(pg_loss, mb_mask).item() * weight
+                        if ref_model is not None:
+                            stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * weight
                         stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
                         stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
                         stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
-                dump.update(old_logp=torch.cat(b_old), new_logp=torch.cat(b_new_logp), per_token_loss=torch.cat(b_loss))
-                dump["loss"] = torch.tensor(stats["policy_loss"])  # the last iteration's, as the rest of the dump
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                bookkeeping.check_finite(step, "gradient", grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                bookkeeping.check_finite(step, "gradient", grad_norm, run_dir, dump)
                 optimizer.step()
             scheduler.step()
         if args.dump_dir:
@@ -259,11 +257,11 @@ def main(args):
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += int(b_attention_mask.sum())
-        reward_mean = rewards.mean().item()
-        history["reward"].append(reward_mean)
+        score_mean = rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
+        history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
-        writer.add_scalar("charts/reward", reward_mean, step)
-        writer.add_scalar("charts/score", reward_mean, step)  # GRPO's reward is the task score: the KL is in the loss
+        writer.add_scalar("charts/reward", score_mean, step)
+        writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
@@ -272,10 +270,10 @@ def main(args):
                 writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
-        pbar.set_postfix(reward=f"{reward_mean:.3f}", len=f"{lengths.mean().item():.1f}")
+        pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.group_size), args.group_size):
-                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | reward {rewards[i].item():.2f}")
+                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {rewards[i].item():.2f}")
         if args.eval_every and step % args.eval_every == 0:
             with common.autocast(device, dtype):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
@@ -290,8 +288,8 @@ def main(args):
     final_dir = os.path.join(run_dir, "final")
     bookkeeping.save_model(policy, tokenizer, final_dir)
     writer.close()
-    bookkeeping.print_summary("grpo", "reward", history["reward"], time.time() - start_time, device, final_dir)
-    return history["reward"]
+    bookkeeping.print_summary("grpo", "score", history["score"], time.time() - start_time, device, final_dir)
+    return history["score"]
 
 
 if __name__ == "__main__":

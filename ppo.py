@@ -311,7 +311,7 @@ def main(args):
             dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
                         scores=scores, rewards=b_rewards, values=b_values, returns=b_returns, advantages=b_advantages,
                         old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(history["kl_coef"]))  # fmt: skip
-            bookkeeping.check_finite(step, "reward", b_rewards, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+            bookkeeping.check_finite(step, "reward", b_rewards, run_dir, dump)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
@@ -342,7 +342,7 @@ def main(args):
                         if epoch == 0 and start == 0 and micro == 0:
                             dump.update(mb_index=idx, minibatch_index=mb_idx, new_logp=new_logp.detach(), new_values=new_values.detach(),
                                         per_token_loss=per_token_loss.detach() * mb_mask, loss=loss.detach())  # fmt: skip
-                        bookkeeping.check_finite(step, "loss", loss.detach(), os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                        bookkeeping.check_finite(step, "loss", loss.detach(), run_dir, dump)
                         loss.backward()
 
                         weight = int(mb_mask.sum()) / max(mb_tokens, 1) / (args.update_epochs * args.num_minibatches)
@@ -356,7 +356,7 @@ def main(args):
                             stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    bookkeeping.check_finite(step, "gradient", grad_norm + critic_grad_norm, os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), dump, checkpoint_dir)
+                    bookkeeping.check_finite(step, "gradient", grad_norm + critic_grad_norm, run_dir, dump)
                     optimizer.step()
             scheduler.step()
         if args.dump_dir:
