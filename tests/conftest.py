@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+collect_ignore = ["mutants"]  # tests/mutants/run.py seeds bugs and runs selections of this suite: never part of it
+
 
 @pytest.fixture(scope="session", autouse=True)
 def xdg_cache(tmp_path_factory):

@@ -23,7 +23,7 @@ def test_kl_estimate_matches_hand_formulas():
     torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k1"), torch.tensor(k1))
     torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k2"), torch.tensor(k2))
     torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k3"), torch.tensor(k3))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="kind must be 'k1', 'k2' or 'k3', not 'k4'"):
         common.kl_estimate(logp, ref_logp, "k4")
 
 
@@ -175,7 +175,7 @@ def test_aggregate_loss_hand_values(agg):
 
 
 def test_aggregate_loss_rejects_unknown_mode():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"agg must be one of .*seq-mean-token-mean.*, not 'mean'"):
         common.aggregate_loss(LOSS, MASK, "mean", 3, 4, 4)
 
 

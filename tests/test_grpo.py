@@ -1,9 +1,11 @@
 """grpo.py: the group advantage, when the reference model is loaded, and that training improves the reward."""
 
+import math
 import statistics
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import common
 import grpo
@@ -65,13 +67,35 @@ def test_reference_model_is_loaded_only_when_beta_is_positive(tmp_path, monkeypa
 
 
 def test_variants_run(tmp_path):
-    """GSPO ratios, several iterations per batch (old log-probs), micro-batches and the KL term, all at once."""
+    """GSPO ratios, several iterations per batch (old log-probs), micro-batches (4 + 2) and the KL term, all at once.
+
+    The run returns each step's mean reward (that of the dumped rewards); the dumped second iteration trains
+    a policy the first one moved (new log-probs differ from the old ones); and GSPO's surrogate is one number
+    per completion, the clipped -A * exp(mean log-ratio), on every real token. Guards a history that is not
+    the rewards, an old policy that moves with the new one, and a token-level ratio under --importance-level
+    sequence. (test_reference_step.py checks every number of such runs against an independent reference.)
+    """
+    beta = 0.1
     args = quick_args(
-        tmp_path, beta=0.1, num_iterations=2, importance_level="sequence", micro_batch_size=4,
-        loss_agg="token-mean", scale_rewards="batch", clip_high=0.28,
+        tmp_path, beta=beta, num_iterations=2, importance_level="sequence", micro_batch_size=4, loss_agg="token-mean",
+        scale_rewards="batch", clip_high=0.28, learning_rate=1e-2, dump_dir=str(tmp_path / "dump"),
     )  # fmt: skip
     rewards = grpo.main(args)
-    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)
+    assert len(rewards) == 2
+    for step, reward in zip((1, 2), rewards):
+        d = load_file(str(tmp_path / "dump" / f"step{step:06d}.safetensors"))
+        assert reward == pytest.approx(d["rewards"].mean().item(), abs=1e-6)
+        mask = d["completion_mask"].bool()
+        new, old, ref, adv = d["new_logp"], d["old_logp"], d["ref_logp"], d["advantages"]
+        assert (new - old)[mask].abs().max() > 1e-4
+        log_r = ref - new
+        surrogate = d["per_token_loss"] - beta * (log_r.exp() - 1 - log_r) * mask
+        for row in range(len(mask)):
+            real = mask[row]
+            ratio = math.exp(sum((new[row] - old[row])[real].tolist()) / int(real.sum()))
+            a = adv[row].item()
+            expected = max(-a * ratio, -a * min(max(ratio, 0.8), 1.28))
+            torch.testing.assert_close(surrogate[row][real], torch.full((int(real.sum()),), expected), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -8,9 +8,12 @@ from tasks import Task, copy_reward, copy_task, load_task
 
 @pytest.mark.parametrize(
     "completion, reward",
-    [("123", 1.0), ("12", 2 / 3), ("1234", 3 / 4), ("321", 1 / 3), ("", 0.0), ("9999999", 0.0)],
-)
+    [("123", 1.0), ("12", 2 / 3), ("1234", 3 / 4), ("321", 1 / 3), ("", 0.0), ("9999999", 0.0),
+     ("124", 2 / 3), ("923", 2 / 3), ("132", 1 / 3), ("456", 0.0), ("231", 0.0), ("312", 0.0)],
+)  # fmt: skip
 def test_copy_reward_hand_values(completion, reward):
+    """Wrong answers of the right length ("124", "231", "312") earn only their characters in the right place:
+    guards a reward that counts shared characters anywhere, or gives credit for the length alone."""
     assert copy_reward("123=", completion, "123") == pytest.approx(reward)
 
 

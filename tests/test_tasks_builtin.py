@@ -191,15 +191,23 @@ def test_countdown_reward_hand_values(completion, reward):
 
 
 @pytest.mark.parametrize(
-    "completion",
-    ["<answer>" * 50_000, "<answer>" * 20_000 + "(1 + 2) * 3</answer>" * 20_000, "x" * 5_000_000,
-     "<answer>" + "1 + " * 1_000_000 + "</answer>", "</answer><answer>" * 100_000],
-    ids=["unclosed-tags", "many-tags", "long-text", "long-equation", "alternating-tags"],
+    "completion, expected",
+    [("<answer>" * 50_000, 0.0),  # no closing tag
+     ("<answer>" * 20_000 + "(1 + 2) * 3</answer>" * 20_000, 0.0),  # the last pair holds tags: not an equation
+     ("x" * 5_000_000, 0.0),
+     ("<answer>" + "1 + " * 1_000_000 + "</answer>", 0.0),  # over countdown_value's 100 characters
+     ("</answer><answer>" * 100_000, 0.0),  # the last pair is empty
+     ("x" * 5_000_000 + "<answer>(1 + 2) * 3</answer>", 1.0),  # a right answer after a huge text still counts
+     ("<answer>" * 50_000 + "<answer>1 + 2 + 3</answer>", 0.1)],  # a well-formed miss after many open tags
+    ids=["unclosed-tags", "many-tags", "long-text", "long-equation", "alternating-tags", "right-after-long-text",
+         "miss-after-open-tags"],
 )  # fmt: skip
-def test_countdown_reward_is_fast_on_huge_completions(completion):
+def test_countdown_reward_is_fast_on_huge_completions(completion, expected):
+    """Fast, and still the exact reward: guards a search that gives up (or a length cap that scores 0) on long
+    text, as much as one that takes quadratic time."""
     with deadline(2):
         reward = tasks.countdown_reward("", completion, countdown_answer(9, [1, 2, 3]))
-    assert reward in (0.0, 0.1, 1.0)
+    assert reward == expected
 
 
 def reachable(numbers, target):
