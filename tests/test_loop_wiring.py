@@ -33,12 +33,14 @@ def logged_scalars(run_dir):
 
 @pytest.mark.parametrize(
     "kl, expected",
-    [(6.6, 0.1 * (1 + 0.1 * 0.5)), (5.1, 0.1 * (1 - 0.15 * 0.5)), (7.2, 0.1 * (1 + 0.2 * 0.5)), (60.0, 0.1 * 1.1), (0.0, 0.1 * 0.9)],
-)
+    [(6.6, 0.1 * (1 + 0.1 * 0.5)), (5.1, 0.1 * (1 - 0.15 * 0.5)), (7.2, 0.1 * (1 + 0.2 * 0.5)),
+     (60.0, 0.1 * 1.1), (0.0, 0.1 * 0.9)],
+)  # fmt: skip
 def test_adaptive_kl_coef_between_its_clips(kl, expected):
     """error = clip(kl / target - 1, -0.2, 0.2); kl_coef * (1 + error * n / horizon), with n / horizon = 0.5 so
     a wrong clip bound, a sign or an inverted ratio shows. Guards the proportional part, not only the clips."""
-    assert ppo.adaptive_kl_coef(0.1, kl=kl, target_kl=6.0, n_completions=50, horizon=100) == pytest.approx(expected, rel=1e-9)
+    kl_coef = ppo.adaptive_kl_coef(0.1, kl=kl, target_kl=6.0, n_completions=50, horizon=100)
+    assert kl_coef == pytest.approx(expected, rel=1e-9)
 
 
 def first_eos_lengths(completion_ids):
@@ -216,3 +218,14 @@ def test_dump_metadata_holds_the_resolved_args(tmp_path):
     assert meta["script"] == "grpo"
     assert meta["args"]["beta"] == grpo.PRESETS["tiny"]["beta"] and meta["args"]["group_size"] == 3
     assert meta["args"]["learning_rate"] == grpo.PRESETS["tiny"]["learning_rate"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the kernel's VmHWM (Linux)")
+def test_peak_memory_on_cpu_is_the_resident_peak_in_gib():
+    """perf/peak_memory_gb on a CPU is the process's peak resident memory in GiB, the kernel's VmHWM.
+    Guards a unit slip (ru_maxrss is in KiB on Linux, bytes on macOS)."""
+    import re
+
+    with open("/proc/self/status") as f:
+        hwm_kib = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
+    assert bookkeeping.peak_memory_gb(torch.device("cpu")) == pytest.approx(hwm_kib / 2**20, rel=0.05)

@@ -5,7 +5,8 @@ recompute cannot show, and their runs have no completion that ends early. Here:
   - the model is a small one with sharp logits (conftest.make_small_model) saved as a hub-style folder,
     sampled at temperature 1.3, so some completions end before max_new_tokens (asserted) and padding,
     the temperature and every off-by-one matter far beyond the tolerances;
-  - the reward depends on the completion and on the answer, so rows, groups and answers must line up;
+  - the prompts differ in length (left padding), and the reward depends on the completion and on the
+    answer, so rows, groups and answers must line up;
   - every number is recomputed here without grpo.py, ppo.py or common.py: each row alone and unpadded
     (no masks, no position ids), log-probs by log_softmax, GAE by its sum, the losses by the papers'
     formulas, AdamW by its update rule, the learning rate by its warmup;
@@ -25,7 +26,7 @@ import statistics
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM
 
 import common
 import grpo
@@ -35,7 +36,7 @@ from conftest import make_small_model
 EOS = 1  # the tiny tokenizer's <eos>, and make_small_model's eos_token_id
 TEMPERATURE = 1.3
 REWARD_SOURCE = '''
-EXAMPLES = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
+EXAMPLES = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in (0, 7, 12, 25, 133, 4096) for b in range(5)]
 
 
 def reward(prompt, completion, answer):
@@ -69,8 +70,8 @@ class Spy:
 
         def spy_clip(parameters, max_norm, *args, **kwargs):
             params = list(parameters)
-            call = dict(params=[p.detach().clone() for p in params], max_norm=max_norm,
-                        grads=[torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params])  # fmt: skip
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+            call = dict(params=[p.detach().clone() for p in params], grads=grads, max_norm=max_norm)
             self.calls.append(call)
             norm = clip(params, max_norm, *args, **kwargs)
             call["norm"] = float(norm)
@@ -93,9 +94,11 @@ class Spy:
 def rows_of(d):
     """[(prompt ids, completion ids up to and including the first EOS)], read from a dump without its masks."""
     rows = []
-    for prompt_ids, prompt_mask, completion_ids in zip(d["prompt_ids"].tolist(), d["prompt_mask"].tolist(), d["completion_ids"].tolist()):
+    batch = zip(d["prompt_ids"].tolist(), d["prompt_mask"].tolist(), d["completion_ids"].tolist())
+    for prompt_ids, prompt_mask, completion_ids in batch:
         n_pad = prompt_mask.index(1)
         assert prompt_mask == [0] * n_pad + [1] * (len(prompt_mask) - n_pad)  # left padding
+        assert prompt_ids[:n_pad] == [0] * n_pad and 0 not in prompt_ids[n_pad:]  # <pad> is id 0
         completion = []
         for token in completion_ids:
             completion.append(token)
@@ -232,7 +235,7 @@ def dump_of(tmp_path, step):
 
 
 def check_rollout(d, rows, per_prompt, tokenizer):
-    """The batch's layout (each prompt repeated per_prompt times in a row) and masks: (rewards, whether a row ended early)."""
+    """The layout (each prompt per_prompt times in a row) and masks: (rewards, whether both paddings occur)."""
     T = d["completion_ids"].shape[1]
     lengths = [len(c) for _, c in rows]
     assert torch.equal(d["completion_mask"].long(), padded([[1] * n for n in lengths], T).long())
@@ -240,7 +243,7 @@ def check_rollout(d, rows, per_prompt, tokenizer):
     for i in range(0, len(rows), per_prompt):
         assert len(set(prompts[i : i + per_prompt])) == 1, f"rows {i}..{i + per_prompt - 1} do not share a prompt"
     rewards = [reward(p, text_of(tokenizer, c), ANSWERS[p]) for p, (_, c) in zip(prompts, rows)]
-    return rewards, min(lengths) < T
+    return rewards, min(lengths) < T and (d["prompt_mask"] == 0).any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,7 +258,8 @@ GRPO_VARIANTS = {
     "gspo": dict(importance_level="sequence", scale_rewards="batch", loss_agg="token-mean", beta=0.0, num_iterations=2,
                  clip_low=0.02, clip_high=0.03, micro_batch_size=4, learning_rate=3e-4),
     # Dr. GRPO: no std, a constant normaliser; one update per batch (ratio 1).
-    "dr-grpo": dict(scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.1, num_iterations=1, micro_batch_size=12),
+    "dr-grpo": dict(scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.1, num_iterations=1,
+                    micro_batch_size=12),
 }  # fmt: skip
 
 
@@ -303,8 +307,11 @@ def token_mean(pieces):
 
 
 def clip_fraction(logratios, advantages, clip_low, clip_high):
-    clipped = [((lr.exp() < 1 - clip_low) & (adv < 0)) | ((lr.exp() > 1 + clip_high) & (adv > 0)) for lr, adv in zip(logratios, advantages)]
-    return token_mean([c.float() for c in clipped])
+    clipped = []
+    for logratio, adv in zip(logratios, advantages):
+        ratio = logratio.exp()
+        clipped.append((((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))).float())
+    return token_mean(clipped)
 
 
 def approx_kl(logratios):
@@ -332,6 +339,9 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
     assert_params_close(spy.calls[0]["params"], list(reference.parameters()), "the first update starts from the model")
     adam = AdamW(len(spy.calls[0]["params"]), a.get("weight_decay", 0.01))  # torch's default until the flag exists
     scalars = logged_scalars(run_dir)
+    n_params = sum(p.numel() for p in reference.parameters())
+    check_scalar(scalars, "charts/params_policy", 0, n_params)
+    check_scalar(scalars, "charts/params_reference", 0, n_params if a["beta"] > 0 else 0)
     total_tokens, clipped_any = 0, False
 
     for step in (1, 2):
@@ -340,7 +350,7 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
         N, T = len(rows), a["max_new_tokens"]
         assert N == a["prompts_per_step"] * G
         rewards, early = check_rollout(d, rows, G, tokenizer)
-        assert early or step > 1, "some completions of step 1 must end early: padding must be exercised"
+        assert early or step > 1, "step 1 must have early EOS and left padding"
         close(d["rewards"], torch.tensor(rewards))
         assert history[step - 1] == pytest.approx(sum(rewards) / N, abs=1e-6)
         advantages = grpo_advantages(rewards, G, a["scale_rewards"])
@@ -412,11 +422,13 @@ PPO_VARIANTS = {
     "k2-eos-penalty": dict(kl_coef=0.1, kl_estimator="k2", missing_eos_penalty=0.3, gamma=0.9, lam=0.8, vf_coef=0.5,
                            cliprange_value=0.05, micro_batch_size=3),
     # The adaptive controller (Ziegler et al. 2019) on the k1 penalty, with a short horizon so it moves.
+    # One epoch of 4 minibatches of 2 rows (micro-batches of 4: one per minibatch).
     "k1-target-kl": dict(kl_coef=0.05, kl_estimator="k1", target_kl=0.5, kl_horizon=40, missing_eos_penalty=0.0,
-                         gamma=1.0, lam=0.95, vf_coef=0.1, cliprange_value=0.2, micro_batch_size=4),
-    # No reference model: no penalty at all.
+                         gamma=1.0, lam=0.95, vf_coef=0.1, cliprange_value=0.2, micro_batch_size=4, update_epochs=1,
+                         num_minibatches=4),
+    # No reference model: no penalty at all. Three epochs of 2 minibatches.
     "no-reference": dict(kl_coef=0.0, missing_eos_penalty=0.3, gamma=1.0, lam=1.0, vf_coef=0.2, cliprange_value=0.1,
-                         micro_batch_size=2),
+                         micro_batch_size=2, update_epochs=3),
 }  # fmt: skip
 
 
@@ -464,8 +476,9 @@ def ppo_minibatch_loss(policy, critic, rows, idx, old, adv, values, returns, a):
         v_clipped = values[i] + (new_values - values[i]).clamp(-c, c)
         vloss = 0.5 * torch.maximum((new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2)
         per_token.append(pg + a["vf_coef"] * vloss)
+        vclipped = ((new_values - values[i]).abs() > c).float()
         for key, value in (("pg", pg), ("vloss", vloss), ("logratio", logratio), ("adv", adv[i]), ("entropy", entropy),
-                           ("vclipped", ((new_values - values[i]).abs() > c).float()), ("logp", logp), ("values", new_values)):  # fmt: skip
+                           ("vclipped", vclipped), ("logp", logp), ("values", new_values)):  # fmt: skip
             pieces[key].append(value.detach())
     loss = sum(t.sum() for t in per_token) / sum(len(t) for t in per_token)
     return loss, per_token, pieces
@@ -499,6 +512,10 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
     adam = AdamW(len(spy.calls[0]["params"]) + len(spy.calls[1]["params"]), a.get("weight_decay", 0.01))
     scalars = logged_scalars(run_dir)
     use_ref = a["kl_coef"] > 0 or a["target_kl"] is not None
+    n_params = sum(p.numel() for p in reference.parameters())
+    check_scalar(scalars, "charts/params_policy", 0, n_params)
+    check_scalar(scalars, "charts/params_critic", 0, sum(p.numel() for p in critic.parameters()))
+    check_scalar(scalars, "charts/params_reference", 0, n_params if use_ref else 0)
     kl_coef, clipped_policy, clipped_critic = a["kl_coef"], False, False
 
     for step in (1, 2):
@@ -507,7 +524,7 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
         T = a["max_new_tokens"]
         assert len(rows) == N
         scores, early = check_rollout(d, rows, a["samples_per_prompt"], tokenizer)
-        assert early or step > 1, "some completions of step 1 must end early: padding must be exercised"
+        assert early or step > 1, "step 1 must have early EOS and left padding"
         close(d["scores"], torch.tensor(scores))
         assert history[step - 1] == pytest.approx(sum(scores) / N, abs=1e-6)
 
@@ -578,8 +595,8 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             clipped_critic |= critic_coef < 1
             lrs = [lr_at(a["learning_rate"], step, a["warmup_steps"])] * n_policy
             lrs += [lr_at(a["critic_learning_rate"], step, a["warmup_steps"])] * len(critic_call["params"])
-            after = adam.step(policy_call["params"] + critic_call["params"],
-                              [g * coef for g in policy_call["grads"]] + [g * critic_coef for g in critic_call["grads"]], lrs)  # fmt: skip
+            clipped_grads = [g * coef for g in policy_call["grads"]] + [g * critic_coef for g in critic_call["grads"]]
+            after = adam.step(policy_call["params"] + critic_call["params"], clipped_grads, lrs)
             j = (step - 1) * 2 * E * K + 2 * u + 2
             if j < len(spy.calls):
                 assert_params_close(spy.calls[j]["params"], after[:n_policy], f"{where}: the policy after AdamW")
@@ -596,8 +613,9 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
         check_scalar(scalars, "charts/reward_std", step, statistics.stdev(row_totals))
         check_scalar(scalars, "charts/completion_length", step, sum(len(c) for _, c in rows) / N)
         check_scalar(scalars, "charts/kl_coef", step, kl_coef)
-        for tag, key in (("policy_loss", "pg"), ("value_loss", "vloss"), ("approx_kl", "approx_kl"), ("clipfrac", "clipfrac"),
-                         ("clipfrac_value", "clipfrac_value"), ("entropy", "entropy")):  # fmt: skip
+        tags = dict(policy_loss="pg", value_loss="vloss", approx_kl="approx_kl", clipfrac="clipfrac",
+                    clipfrac_value="clipfrac_value", entropy="entropy")
+        for tag, key in tags.items():
             check_scalar(scalars, f"losses/{tag}", step, sum(stats[key]) / (E * K), abs=1e-5)
         check_scalar(scalars, "losses/grad_norm", step, calls[-2]["norm"])
         flat_values = [x for v in values for x in v.tolist()]
