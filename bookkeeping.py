@@ -32,7 +32,7 @@ class RunArgs:
     reward_model: Optional[str] = None
     """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes and frozen models (auto: bfloat16 on GPU, float32 on CPU)"""
+    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on GPU, float32 on CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False
@@ -122,12 +122,16 @@ def log_perf(writer, step, timer, total_tokens, device):
     writer.add_scalar("perf/peak_memory_gb", peak_memory_gb(device), step)
 
 
-def print_summary(script, name, per_step, seconds, device, final_dir):
-    """The one-line summary: mean over the first 5% and the last 10% of steps (the README's benchmark)."""
-    n_first, n_last = max(1, len(per_step) // 20), max(1, len(per_step) // 10)
-    first, last = sum(per_step[:n_first]) / n_first, sum(per_step[-n_last:]) / n_last
+def print_summary(script, history, seconds, device, final_dir):
+    """The one-line summary: mean score over the first 5% and the last 10% of steps (the README's benchmark), the
+    step where the 10-step mean score first reached 0.9, and the completion length over the last 10%."""
+    scores, lengths = history["score"], history["length"]
+    n_first, n_last = max(1, len(scores) // 20), max(1, len(scores) // 10)
+    first, last = sum(scores[:n_first]) / n_first, sum(scores[-n_last:]) / n_last
+    reached = next((i + 10 for i in range(len(scores) - 9) if sum(scores[i : i + 10]) / 10 >= 0.9), None)
     print(
-        f"{script} done: {len(per_step)} steps, {seconds:.0f}s | {name} first 5% {first:.3f} -> last 10% {last:.3f} "
+        f"{script} done: {len(scores)} steps, {seconds:.0f}s | score first 5% {first:.3f} -> last 10% {last:.3f} "
+        f"| 10-step mean >= 0.9 at step {reached or 'never'} | length {sum(lengths[-n_last:]) / n_last:.2f} tokens "
         f"| peak memory {peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
     )
 

@@ -137,13 +137,10 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _chunk_logprobs(hidden, labels, head, temperature, softcap):
-    logits = head(hidden).float()  # [n, vocab], float32 only for this chunk
-    if softcap:  # inside the model's forward (Gemma 2), so before the sampling temperature
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
+def _logprobs_and_entropy(logits, labels, temperature):
+    logits = logits.float() / temperature  # float32 for this chunk only
     logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - logz
+    logp = logits.gather(-1, labels[..., None]).squeeze(-1) - logz
     with torch.no_grad():
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
     return logp, entropy
@@ -156,37 +153,31 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     completion_mask: [B, T], 1 on real completion tokens. Returns logp [B, T] (0 where masked),
     and the per-token entropy of the same distribution when return_entropy.
 
-    log p(y_t) = z_t[y_t] / temp - logsumexp(z_t / temp): the logits are divided by the sampling
-    temperature, or the ratio would compare a different distribution from the one that sampled.
-    The head runs on real tokens only, `chunk_tokens` at a time, and each chunk is recomputed in
-    the backward pass, so a float32 [B, T, vocab] tensor never exists, not even for autograd.
+    log p(y_t) = z_t[y_t] / temp - logsumexp(z_t / temp), with z the logits of the model's own forward,
+    so whatever its *ForCausalLM applies after the head (Gemma 2's softcap, Granite's and Cohere's logit
+    scales) is in them, exactly as in the distribution generate() sampled from. The logits are divided by
+    the sampling temperature, or the ratio would compare a different distribution. Only the completion's
+    logits are computed (logits_to_keep), in the forward's precision; the float32 softmax runs on
+    `chunk_tokens` positions at a time and is recomputed in the backward pass, so no float32
+    [B, T, vocab] tensor exists, not even for autograd.
     """
     T = completion_mask.shape[1]
-    backbone = model.get_decoder()
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).last_hidden_state
-    hidden = hidden[:, -T - 1 : -1]  # the state at position t predicts token t + 1
+    position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
-    real = completion_mask.bool()
-    hidden, labels = hidden[real], labels[real]  # [n, H], [n]
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    rows = max(1, chunk_tokens // max(T, 1))
     logps, entropies = [], []
-    for i in range(0, hidden.shape[0], chunk_tokens):
-        args = (hidden[i : i + chunk_tokens], labels[i : i + chunk_tokens], head, temperature, softcap)
+    for chunk, chunk_labels in zip(logits.split(rows), labels.split(rows)):
         if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            logp, entropy = checkpoint(_logprobs_and_entropy, chunk, chunk_labels, temperature, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(*args)
+            logp, entropy = _logprobs_and_entropy(chunk, chunk_labels, temperature)
         logps.append(logp)
         entropies.append(entropy)
-    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logp = out.masked_scatter(real, torch.cat(logps)) if logps else out
-    if not return_entropy:
-        return logp
-    entropy = out.masked_scatter(real, torch.cat(entropies)) if entropies else out
-    return logp, entropy
+    mask = completion_mask.to(torch.float32)
+    logp = torch.cat(logps) * mask
+    return (logp, torch.cat(entropies) * mask) if return_entropy else logp
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,9 +311,19 @@ def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
 
 
 def load_causal_lm(name, device, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    """A decoder-only causal LM whose forward can return the completion's logits alone; anything else is refused."""
+    import inspect
 
-    return load_pretrained(AutoModelForCausalLM, name, device, dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _from_pretrained(AutoConfig, resolve_model_path(name))
+    if config.is_encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model")
+    model = load_pretrained(AutoModelForCausalLM, name, device, dtype)
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UsageError(f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): use another architecture")
+    return model
 
 
 def check_vocabulary(tokenizer, task, model_name):
@@ -451,14 +452,23 @@ def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num
         _, _, completion_ids, completion_mask = generate(
             model, tokenizer, prompts, max_new_tokens, 1.0, eos_ids, greedy=True, chat_template=chat_template
         )
-        rewards += task.score(prompts, decode_completions(tokenizer, completion_ids, completion_mask), answers)
+        rewards += task.score(prompts, decode_completions(tokenizer, completion_ids, completion_mask, eos_ids), answers)
     return {"eval/accuracy": sum(r >= 1 for r in rewards) / len(rewards), "eval/reward": sum(rewards) / len(rewards)}
 
 
-def decode_completions(tokenizer, completion_ids, completion_mask):
-    """Completion texts, cut at the first EOS (everything after it is replaced by padding and skipped)."""
-    ids = torch.where(completion_mask.bool(), completion_ids, tokenizer.pad_token_id)
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids):
+    """Completion texts as the model wrote them, cut before the first EOS.
+
+    Nothing else is dropped: a pad, <unk> or any other special token sampled mid-completion is in the
+    text (skip_special_tokens would hide it from the reward, and a policy learns to pad with it).
+    """
+    texts = []
+    for ids, length in zip(completion_ids.tolist(), completion_mask.sum(1).tolist()):
+        ids = ids[:length]
+        if ids and ids[-1] in eos_ids:
+            ids = ids[:-1]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+    return texts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -474,15 +484,16 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_dtype(name, device):
-    """`auto` is bfloat16 on CUDA and float32 on CPU."""
+    """`auto` is bfloat16 on CUDA and float32 on CPU; float16 is refused (it needs loss scaling)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu" and name != "float32":
-        raise UsageError(f"--dtype {name} needs a GPU: use --dtype float32 (or auto) on the CPU")
+    if name == "float16":  # without a GradScaler, gradients below ~6e-8 underflow to 0 in float16
+        raise UsageError("--dtype float16 would need loss scaling, which this project does not do: use --dtype bfloat16 or float32")
     return DTYPES[name]
 
 
 def autocast(device, dtype):
     """Autocast to `dtype` for the forward passes. The trained weights stay float32 (the master copy):
-    a bf16 weight cannot take an update of lr 1e-6 times a gradient, it rounds back to itself."""
+    a bf16 weight cannot take an update of lr 1e-6 times a gradient, it rounds back to itself. The frozen
+    reference is held the same way, so at step 1 it computes exactly what the policy does (KL 0)."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)

@@ -60,6 +60,8 @@ class Args(bookkeeping.RunArgs):
     """sampling temperature; the log-probs are computed at the same temperature"""
     learning_rate: Optional[float] = None
     """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (decoupled), on every weight; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
@@ -76,6 +78,8 @@ class Args(bookkeeping.RunArgs):
     """divide (r - group mean) by the group's std (paper), the batch's std, or nothing (Dr. GRPO)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
+    bias_corrected_kl: bool = False
+    """weight the k3 term by the importance ratio (TRL's default, DeepSeek-V3.2): same value, its gradient gains kl * grad log p"""
     importance_level: Literal["token", "sequence"] = "token"
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
     micro_batch_size: Optional[int] = None
@@ -148,16 +152,17 @@ def main(args):
     policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
     if args.gradient_checkpointing:
         common.set_activation_checkpointing(policy, True)
-    # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded.
-    ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if args.beta > 0 else None
+    # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded. It is held like
+    # the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
+    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
     scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     common.check_vocabulary(tokenizer, task, args.model)
     common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = common.eos_token_ids(policy, tokenizer)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "tokens": 0})
+    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "length": [], "tokens": 0})
     writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
@@ -183,7 +188,7 @@ def main(args):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
-            completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
+            completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
             rewards = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
@@ -231,6 +236,8 @@ def main(args):
                     if ref_model is not None:
                         # The KL to the reference enters the loss (not the reward), by the k3 estimator.
                         kl_ref = common.kl_estimate(new_logp, b_ref_logp[mb], "k3")
+                        if args.bias_corrected_kl:  # k3 * ratio: an unbiased KL gradient under samples of the old policy
+                            kl_ref = kl_ref * torch.exp(logratio)
                         per_token_loss = pg_loss + args.beta * kl_ref
                     loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
                     dump["old_logp"].append(old_logp)
@@ -260,6 +267,7 @@ def main(args):
         score_mean = rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
         history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
+        history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/reward", score_mean, step)
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", rewards.std().item(), step)
@@ -288,7 +296,7 @@ def main(args):
     final_dir = os.path.join(run_dir, "final")
     bookkeeping.save_model(policy, tokenizer, final_dir)
     writer.close()
-    bookkeeping.print_summary("grpo", "score", history["score"], time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary("grpo", history, time.time() - start_time, device, final_dir)
     return history["score"]
 
 

@@ -63,6 +63,8 @@ class Args(bookkeeping.RunArgs):
     """AdamW learning rate of the policy"""
     critic_learning_rate: Optional[float] = None
     """AdamW learning rate of the critic"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (decoupled), on every weight of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
@@ -132,32 +134,58 @@ def check_args(args):
             raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
 
 
-def load_critic(name, device, fresh_head=True):
-    """The value model: its own copy of an LM backbone with a scalar head on every position's last hidden state.
+class Critic(torch.nn.Module):
+    """The value model: its own copy of an LM's transformer (no vocabulary head) with a scalar head on every
+    position's last hidden state. It builds from any decoder-only architecture that AutoModel knows.
 
-    AutoModelForTokenClassification with one label is exactly that, and it saves with save_pretrained.
-    Loaded from a causal-LM checkpoint, its backbone takes the LM's weights and only the head is new:
-    initialised N(0, 1/sqrt(hidden + 1)), bias 0 (Ziegler et al. 2019's reward/value head).
+    The head starts at zero, so every first value is 0: in lm-human-preferences (language/model.py) the value
+    head is zero-initialised (the N(0, 1/sqrt(H + 1)) init there is the reward head's). A head drawn at random
+    would give values of about +-1 whose errors, whitened into advantages, push the policy at random.
     """
-    from transformers import AutoModelForTokenClassification
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1, device=backbone.device)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        position_ids = common.position_ids_from_mask(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        return self.value_head(hidden.last_hidden_state).squeeze(-1).float()  # [B, L]
+
+    def save_pretrained(self, folder):
+        """The backbone as a transformers folder (AutoModel reloads it), the head beside it."""
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, os.path.join(folder, VALUE_HEAD))
+
+
+VALUE_HEAD = "value_head.safetensors"
+
+
+def load_critic(name, device):
+    """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # the load report lists the new head as "missing": expected
-    critic = common.load_pretrained(AutoModelForTokenClassification, name, device, num_labels=1)
+    logging.set_verbosity_error()  # loaded from a causal LM, the load report lists the unused LM head: expected
+    critic = Critic(common.load_pretrained(AutoModel, name, device))
     logging.set_verbosity(verbosity)
-    if fresh_head:
-        torch.nn.init.normal_(critic.score.weight, std=1 / (critic.config.hidden_size + 1) ** 0.5)
-        torch.nn.init.zeros_(critic.score.bias)
+    head = os.path.join(common.resolve_model_path(name), VALUE_HEAD)
+    if os.path.isfile(head):
+        critic.value_head.load_state_dict(load_file(head, device=str(device)))
     return critic
 
 
 def token_values(critic, input_ids, attention_mask, completion_mask):
     """V(s_t) for every completion token: the value of the prefix that generates it, [B, T]."""
     T = completion_mask.shape[1]
-    position_ids = common.position_ids_from_mask(attention_mask)
-    values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
-    return values[:, -T - 1 : -1].float() * completion_mask  # the state before token t, as for log-probs
+    return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as for log-probs
 
 
 def score_at_last_token(scores, mask):
@@ -240,23 +268,25 @@ def main(args):
     tokenizer = common.load_tokenizer(policy_path)
     policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
-    critic = load_critic(os.path.join(args.resume, "critic") if resume else args.critic_model or args.model, device, fresh_head=not resume)
+    critic = load_critic(os.path.join(args.resume, "critic") if resume else args.critic_model or args.model, device)
     if args.gradient_checkpointing:
-        for model in (policy, critic):
+        for model in (policy, critic.backbone):
             common.set_activation_checkpointing(model, True)
-    # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded.
+    # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded. It is
+    # held like the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
-    ref_model = common.load_causal_lm(args.model, device, dtype).eval().requires_grad_(False) if use_ref else None
+    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
     scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     common.check_vocabulary(tokenizer, task, args.model)
     common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = common.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(
-        [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
+        [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}],
+        weight_decay=args.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = PromptSampler(task.train, args.seed)
-    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "tokens": 0, "kl_coef": args.kl_coef})
+    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "length": [], "tokens": 0, "kl_coef": args.kl_coef})
     writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
     if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
         writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
@@ -283,7 +313,7 @@ def main(args):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
-            completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
+            completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
             scores = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
@@ -367,6 +397,7 @@ def main(args):
         score_mean = scores.mean().item()
         history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
+        history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score plus the KL penalty
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
@@ -401,7 +432,7 @@ def main(args):
     bookkeeping.save_model(policy, tokenizer, final_dir)
     bookkeeping.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
     writer.close()
-    bookkeeping.print_summary("ppo", "score", history["score"], time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)
     return history["score"]
 
 

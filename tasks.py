@@ -115,7 +115,8 @@ class RewardModel:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def score(self, prompts, completions, answers):
-        if self.tokenizer.chat_template:
+        templated = bool(self.tokenizer.chat_template)
+        if templated:
             chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
             texts = self.tokenizer.apply_chat_template(chats, tokenize=False)
         else:
@@ -123,7 +124,9 @@ class RewardModel:
         scores = []
         with torch.no_grad():
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True).to(self.model.device)
+                # A rendered template already holds its BOS: adding special tokens again would give two.
+                enc = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=not templated)
+                enc = enc.to(self.model.device)
                 scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores
 

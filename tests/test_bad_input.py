@@ -75,7 +75,7 @@ BAD_INPUTS = [
     ("ppo", "--resume {grpo_checkpoint}", r"is a checkpoint of grpo\.py, not ppo\.py: resume it with that script"),
     ("grpo", "--resume {grpo_checkpoint} --learning-rate 1e-3", r"was run with --learning-rate 0.0005, not 0.001: drop the flag"),
     # hardware
-    ("grpo", "--dtype bfloat16", r"--dtype bfloat16 needs a GPU: use --dtype float32"),
+    ("grpo", "--dtype float16", r"--dtype float16 would need loss scaling, .*: use --dtype bfloat16 or float32"),
 ]
 
 

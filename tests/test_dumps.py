@@ -35,7 +35,7 @@ def check_scores(d, scores):
     """The copy task's score of each stored completion, from the decoded ids: "123=" -> "123" scores 1."""
     tokenizer = common.load_tokenizer(common.TINY_MODEL)
     prompts = tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True)
-    completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"])
+    completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id])
     expected = load_task("copy").score(prompts, completions, [p.removesuffix("=") for p in prompts])
     assert scores.tolist() == pytest.approx(expected, abs=ATOL)
 
@@ -177,7 +177,7 @@ def test_ppo_dump_recomputes(variant, tmp_path):
         close(d["ref_logp"], logprobs_of(common.TINY_MODEL, d, temperature))
     else:
         assert torch.equal(d["ref_logp"], d["old_logp"])  # no reference: the penalty is 0
-    critic = ppo.load_critic(os.path.join(checkpoint, "critic"), torch.device("cpu"), fresh_head=False)
+    critic = ppo.load_critic(os.path.join(checkpoint, "critic"), torch.device("cpu"))
     input_ids, attention_mask = full_ids(d)
     with torch.no_grad():
         close(d["values"], ppo.token_values(critic, input_ids, attention_mask, d["completion_mask"]))

@@ -111,3 +111,12 @@ def test_weight_decay_is_a_flag_and_0_by_default(script, tmp_path, monkeypatch):
     module.main(module.Args(num_steps=1, prompts_per_step=2, weight_decay=0.25, sample_every=0, output_dir=str(tmp_path), **extra))
     (optimizer,) = built
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.25] * len(optimizer.param_groups)
+
+
+def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
+    """An encoder-decoder loads through no causal-LM path that computes what generate() samples: one line, not a traceback."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50)).save_pretrained(str(tmp_path / "t5"))
+    with pytest.raises(common.UsageError, match="is a t5 model, not a decoder-only causal LM"):
+        common.load_causal_lm(str(tmp_path / "t5"), CPU)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer,
+    AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
     BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
 )  # fmt: skip
 
@@ -205,7 +205,7 @@ def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task
     _, _, completion_ids, completion_mask = common.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
     assert completion_ids.shape == (1, 4) or completion_mask[0, -1] == 1  # 4 tokens, or fewer ending in EOS
     assert completion_mask.sum() >= 1
-    assert isinstance(common.decode_completions(tokenizer, completion_ids, completion_mask)[0], str)
+    assert isinstance(common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)[0], str)
 
 
 def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_path):
@@ -218,11 +218,14 @@ def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_pa
     assert len(scores) == 2
     assert args.kl_coef == ppo.PRESETS["hub"]["kl_coef"]
     run_dir = run_dir_of(tmp_path)
-    critic = AutoModelForTokenClassification.from_pretrained(os.path.join(run_dir, "critic"))
-    assert critic.config.num_labels == 1 and critic.score.weight.shape == (1, 32)
+    backbone = AutoModel.from_pretrained(os.path.join(run_dir, "critic"))  # an ordinary transformers folder
+    critic = ppo.load_critic(os.path.join(run_dir, "critic"), CPU)
+    assert critic.value_head.weight.shape == (1, 32)
+    for name, param in backbone.named_parameters():
+        assert torch.equal(param, dict(critic.backbone.named_parameters())[name]), name
     ids = torch.tensor([tokenizer("What is 1 plus 1?")["input_ids"]])
     with torch.no_grad():
-        assert critic(ids).logits.shape == (1, ids.shape[1], 1)
+        assert critic(ids, torch.ones_like(ids)).shape == ids.shape
     final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
     assert final.config.model_type == AutoModelForCausalLM.from_pretrained(folder).config.model_type
 
@@ -387,17 +390,27 @@ def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "float16"])
-def test_half_precision_on_cpu_is_a_usage_error(name, qwen2_dir, tmp_path):
-    with pytest.raises(UsageError, match=f"--dtype {name} needs a GPU"):
-        common.resolve_dtype(name, CPU)
-    assert common.resolve_dtype("auto", CPU) == torch.float32 and common.resolve_dtype("float32", CPU) == torch.float32
+def test_float16_is_refused_before_anything_loads(qwen2_dir, tmp_path):
+    """float16 without loss scaling lets small gradients underflow to 0: refused in one line, bfloat16 suggested."""
+    with pytest.raises(UsageError, match="--dtype float16 would need loss scaling.*use --dtype bfloat16"):
+        common.resolve_dtype("float16", CPU)
+    assert common.resolve_dtype("auto", CPU) == torch.float32 and common.resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert common.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    if not torch.cuda.is_available():
-        args = grpo.Args(model=qwen2_dir, dtype=name, num_steps=1, output_dir=str(tmp_path))
-        with pytest.raises(UsageError, match="needs a GPU"):
-            grpo.main(args)
-        assert not os.listdir(tmp_path)  # stopped before creating the run folder
+    args = grpo.Args(model=qwen2_dir, dtype="float16", num_steps=1, output_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="float16"):
+        grpo.main(args)
+    assert not os.listdir(tmp_path)  # stopped before creating the run folder
+
+
+def test_a_saved_critic_reloads_with_its_value_head(lm, tmp_path):
+    folder, _, _ = lm
+    critic = ppo.load_critic(folder, CPU)
+    torch.nn.init.normal_(critic.value_head.weight)
+    torch.nn.init.normal_(critic.value_head.bias)
+    critic.save_pretrained(str(tmp_path / "critic"))
+    again = ppo.load_critic(str(tmp_path / "critic"), CPU)
+    for (name, a), (_, b) in zip(critic.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 def test_critic_starts_from_the_policy_weights(lm):
@@ -405,11 +418,12 @@ def test_critic_starts_from_the_policy_weights(lm):
     policy = dict(common.load_causal_lm(folder, CPU).named_parameters())
     critic_model = ppo.load_critic(folder, CPU)
     critic = dict(critic_model.named_parameters())
-    backbone = {name for name in critic if name.startswith("model.")}
-    assert backbone == {name for name in policy if name.startswith("model.")} and backbone
+    backbone = {name for name in critic if name.startswith("backbone.")}
+    assert {name.removeprefix("backbone.") for name in backbone} == {name.removeprefix("model.") for name in policy if name.startswith("model.")}
     for name in backbone:
-        assert torch.equal(critic[name], policy[name]), name
-        assert critic[name].data_ptr() != policy[name].data_ptr()
-    assert set(critic) - backbone == {"score.weight", "score.bias"}  # only the value head is new
-    assert critic_model.score.weight.shape == (1, 32) and torch.equal(critic_model.score.bias, torch.zeros(1))
-    assert critic_model.score.weight.abs().max() > 0
+        policy_name = "model." + name.removeprefix("backbone.")
+        assert torch.equal(critic[name], policy[policy_name]), name
+        assert critic[name].data_ptr() != policy[policy_name].data_ptr()
+    assert set(critic) - backbone == {"value_head.weight", "value_head.bias"}  # only the value head is new
+    assert critic_model.value_head.weight.shape == (1, 32)
+    assert not critic_model.value_head.weight.any() and not critic_model.value_head.bias.any()  # starts at zero

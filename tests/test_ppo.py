@@ -150,24 +150,35 @@ def test_critic_starts_from_policy_weights(tmp_path):
     policy = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
     critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
     backbone = dict(policy.get_decoder().named_parameters())
-    critic_backbone = dict(critic.base_model.named_parameters())
+    critic_backbone = dict(critic.backbone.named_parameters())
     assert backbone.keys() == critic_backbone.keys()
     for name, param in backbone.items():
         assert torch.equal(param, critic_backbone[name]), name
         assert param.data_ptr() != critic_backbone[name].data_ptr()  # its own copy, not shared
-    assert critic.score.weight.shape == (1, policy.config.hidden_size)
+    assert critic.value_head.weight.shape == (1, policy.config.hidden_size)
+
+
+def test_the_value_head_starts_at_zero():
+    """lm-human-preferences zero-initialises the value head: every value of a fresh critic is 0, whatever the input."""
+    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
+    assert torch.equal(critic.value_head.weight, torch.zeros_like(critic.value_head.weight))
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 1], [4, 9, 10, 11, 12, 13]])
+    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        values = ppo.token_values(critic, input_ids, attention_mask, torch.ones(2, 3, dtype=torch.long))
+    assert torch.equal(values, torch.zeros(2, 3))
 
 
 def test_token_values_align_with_token_logprobs():
     """V(s_t) is read at the position that predicts token t, like the log-prob of token t."""
     critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu")).eval()
+    torch.nn.init.normal_(critic.value_head.weight)  # a zero head would give 0 everywhere and prove nothing
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
     completion_mask = torch.tensor([[1, 1]])
     with torch.no_grad():
         values = ppo.token_values(critic, input_ids, attention_mask, completion_mask)
-        all_values = critic(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=common.position_ids_from_mask(attention_mask)).logits[..., 0]  # fmt: skip
+        all_values = critic(input_ids, attention_mask)
     torch.testing.assert_close(values, all_values[:, 3:5])
 
 

@@ -18,7 +18,8 @@ def readme_snippet():
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--beta", "0.1", "--num-iterations", "2"], ["--importance-level", "sequence", "--loss-agg", "token-mean", "--num-iterations", "2"]],
+    [[], ["--beta", "0.1", "--num-iterations", "2"], ["--importance-level", "sequence", "--loss-agg", "token-mean", "--num-iterations", "2"],
+     ["--bias-corrected-kl", "--beta", "0.1", "--num-iterations", "2"]],
 )
 def test_readme_verification_snippet_runs_on_a_real_dump(tmp_path, flags):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
