@@ -258,7 +258,6 @@ def main(args):
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 bookkeeping.check_finite(step, "gradient", grad_norm, run_dir, dump)
                 optimizer.step()
-            scheduler.step()
         if args.dump_dir:
             bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
@@ -273,6 +272,7 @@ def main(args):
         writer.add_scalar("charts/reward_std", rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
+        scheduler.step()  # after logging the rate this step's updates used
         for key, value in stats.items():
             if key != "kl_ref" or ref_model is not None:
                 writer.add_scalar(f"losses/{key}", value, step)

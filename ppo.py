@@ -388,7 +388,6 @@ def main(args):
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                     bookkeeping.check_finite(step, "gradient", grad_norm + critic_grad_norm, run_dir, dump)
                     optimizer.step()
-            scheduler.step()
         if args.dump_dir:
             bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
@@ -403,6 +402,7 @@ def main(args):
         writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
+        scheduler.step()  # after logging the rate this step's updates used
         writer.add_scalar("charts/kl_coef", history["kl_coef"], step)
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)

@@ -139,10 +139,6 @@ QUICK = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: grpo.py and ppo.py log charts/learning_rate after scheduler.step(), so step s logs the rate of step s + 1",
-)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_logged_learning_rate_is_the_one_the_step_used(script, tmp_path, monkeypatch):
     """With --warmup-steps 3 the rate of step s is lr * s / 4. The rate each optimizer step used is read from
