@@ -225,3 +225,15 @@ def test_peak_memory_on_cpu_is_the_resident_peak_in_gib():
     with open("/proc/self/status") as f:
         hwm_kib = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
     assert bookkeeping.peak_memory_gb(torch.device("cpu")) == pytest.approx(hwm_kib / 2**20, rel=0.05)
+
+
+def test_summary_line_reports_the_first_5_and_last_10_percent(capsys):
+    """The closing line is the README's benchmark: the mean score over the first 5% and the last 10% of the steps
+    (2 and 4 of 40 here). Guards an off-by-one or a wrong share in those windows."""
+    import re
+
+    scores = [0.01 * i for i in range(40)]
+    bookkeeping.print_summary("grpo", {"score": scores, "length": [3.0] * 40}, 12.0, torch.device("cpu"), "final")
+    first, last = re.search(r"first 5% ([\d.]+) -> last 10% ([\d.]+)", capsys.readouterr().out).groups()
+    assert float(first) == pytest.approx((0.00 + 0.01) / 2, abs=5e-4)
+    assert float(last) == pytest.approx((0.36 + 0.37 + 0.38 + 0.39) / 4, abs=5e-4)
