@@ -6,10 +6,11 @@ tasks.py; it is not part of the normal suite (tests/conftest.py ignores this fol
     python tests/mutants/run.py --only grpo-old-logp-attached tasks-sampler-state-alias
     python tests/mutants/run.py --list               # names, files and what each breaks
     python tests/mutants/run.py --mutants other.py   # another list in the same format (a fresh pass)
+    python tests/mutants/run.py --rev HEAD           # the committed code, whatever is being edited
 
-The repository's working tree is copied to a temporary folder (the checkout is never touched); each mutant
-replaces one exact snippet of one file there, runs `pytest -x -q` on its selection with a timeout, and puts
-the file back. First every selection runs on the unmutated copy: a selection that fails there would make
+The repository's working tree (or, with --rev, a git revision) is copied to a temporary folder (the checkout
+is never touched); each mutant replaces one exact snippet of one file there, runs `pytest -x -q` on its
+selection with a timeout, and puts the file back. First every selection runs on the unmutated copy: a selection that fails there would make
 its mutants look killed, so the run stops. A snippet that is not in the file (the code moved on) is
 reported as NOT FOUND, never counted as killed: update the mutant in mutants.py.
 
@@ -57,6 +58,7 @@ def main():
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per pytest run (default 240)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each selection")
+    parser.add_argument("--rev", metavar="REV", help="mutate this git revision (git archive) instead of the working tree")
     parser.add_argument("--mutants", default=os.path.join(HERE, "mutants.py"), metavar="FILE.py",
                         help="a file defining MUTANTS in the same format (default: mutants.py beside this script)")
     args = parser.parse_args()
@@ -77,8 +79,13 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         repo = os.path.join(tmp, "repo")
-        shutil.copytree(ROOT, repo, ignore=SKIP)
-        print(f"copied {ROOT} to {repo}; {len(mutants)} mutants", flush=True)
+        if args.rev:
+            os.makedirs(repo)
+            archive = subprocess.run(["git", "-C", ROOT, "archive", args.rev], capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", repo], input=archive, check=True)
+        else:
+            shutil.copytree(ROOT, repo, ignore=SKIP)
+        print(f"copied {ROOT} ({args.rev or 'working tree'}) to {repo}; {len(mutants)} mutants", flush=True)
 
         if not args.no_baseline:
             selections = list(dict.fromkeys(tuple(m["tests"]) for m in mutants))
