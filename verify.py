@@ -32,7 +32,8 @@ plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
   per_token_loss(batch, args) -> [N, T]              loss(batch, args) -> scalar
   train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, whose gradient is compared
   update(model, batch, args): one optimizer step in place, from fresh optimizer state
-  OPTIONS = {name: default} (set with --set name=value); setup(args, options); differences(args, options)
+  OPTIONS = {name: default} (set with --set name=value); setup(args, options, model) with a copy of
+  the initial policy; differences(args, options)
   -> list of one-line known differences, printed when a check fails.
 """
 
@@ -308,8 +309,9 @@ def replay(ref, policy, opt, d, args, iterations):
 
 def verify(args, steps, adapter, options, tolerances):
     ref = load_adapter("self")
+    initial, critic = ref.initial_models(args)
     if hasattr(adapter, "setup"):
-        adapter.setup(args, options)
+        adapter.setup(args, options, copy.deepcopy(initial))
     report, notes = Report(tolerances), []
     for step in sorted(steps):
         check_pure(report, adapter, ref, step, steps[step], args)
@@ -318,7 +320,6 @@ def verify(args, steps, adapter, options, tolerances):
         for q in ("log-probs", "gradient", "update"):
             report.skip(q, "no step 1")
         return report, notes
-    initial, critic = ref.initial_models(args)
     policy = copy.deepcopy(initial)
     if args["script"] == "ppo":
         check_weights(report, adapter, ref, 1, steps[1], args, policy, critic, initial)

@@ -6,10 +6,13 @@ say: the initial models, the gradient of this project's loss, and the optimizer 
 It is also the example to copy when writing an adapter for your own code (see verify.py's docstring).
 """
 
+import types
+
 import torch
 
 import common
 import grpo
+import models
 import ppo
 
 
@@ -20,7 +23,7 @@ def group_advantages(batch, args):
 def gae(batch, args):
     mask = batch["completion_mask"]
     advantages, returns = ppo.compute_gae(batch["rewards"], batch["values"], mask, args["gamma"], args["lam"])
-    return common.masked_whiten(advantages, mask), returns
+    return ppo.masked_whiten(advantages, mask), returns
 
 
 def token_logprobs(model, batch, args):
@@ -29,50 +32,29 @@ def token_logprobs(model, batch, args):
     return common.token_logprobs(model, input_ids, attention_mask, batch["completion_mask"], args["temperature"])
 
 
-def _grpo_logratio(new_logp, batch, args):
-    logratio = new_logp - (batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach())
-    if args["importance_level"] == "sequence":  # GSPO: one ratio per completion
-        logratio = common.masked_mean(logratio, batch["completion_mask"], dim=1)[:, None].expand_as(logratio)
-    return logratio
-
-
-def _grpo_kl(new_logp, logratio, batch, args):
-    kl = common.kl_estimate(new_logp, batch["ref_logp"], "k3")
-    return kl * torch.exp(logratio) if args.get("bias_corrected_kl") else kl
-
-
-def _per_token_loss(new_logp, batch, args, new_values=None):
-    """GRPO: clipped surrogate + beta * k3; PPO: clipped surrogate + vf_coef * clipped value loss."""
+def _loss(new_logp, batch, args, new_values=None):
+    """grpo.grpo_loss or ppo.ppo_loss, the functions the training loops call: (loss, per-token terms)."""
+    mask, flags = batch["completion_mask"], types.SimpleNamespace(**args)
     if args["script"] == "ppo":
-        pg_loss = common.clipped_policy_loss(new_logp - batch["old_logp"], batch["advantages"], args["clip_low"], args["clip_high"])
-        v_loss = ppo.clipped_value_loss(new_values, batch["values"], batch["returns"], args["cliprange_value"])
-        return pg_loss + args["vf_coef"] * v_loss
-    logratio = _grpo_logratio(new_logp, batch, args)
-    loss = common.clipped_policy_loss(logratio, batch["advantages"][:, None], args["clip_low"], args["clip_high"])
-    if args["beta"] > 0:
-        loss = loss + args["beta"] * _grpo_kl(new_logp, logratio, batch, args)
-    return loss
-
-
-def _aggregate(per_token_loss, batch, args):
-    agg = "token-mean" if args["script"] == "ppo" else args["loss_agg"]
-    return common.aggregate_loss(
-        per_token_loss, batch["completion_mask"], agg, batch["num_seqs"], batch["num_tokens"], args["max_new_tokens"]
-    )
+        return ppo.ppo_loss(new_logp, batch["old_logp"], batch["advantages"], new_values, batch["values"],
+                            batch["returns"], mask, batch["num_tokens"], flags)  # fmt: skip
+    old_logp = batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach()  # mu = 1: the ratio is 1
+    ref_logp = batch["ref_logp"] if args["beta"] > 0 else None
+    return grpo.grpo_loss(new_logp, old_logp, ref_logp, batch["advantages"], mask, batch["num_seqs"], batch["num_tokens"], flags)
 
 
 def kl(batch, args):
     if args["script"] == "ppo":
-        return common.kl_estimate(batch["old_logp"], batch["ref_logp"], args["kl_estimator"])
-    return _grpo_kl(batch["new_logp"], _grpo_logratio(batch["new_logp"], batch, args), batch, args)
+        return ppo.kl_estimate(batch["old_logp"], batch["ref_logp"], args["kl_estimator"])
+    return _loss(batch["new_logp"], batch, args)[1]["kl_ref"]
 
 
 def per_token_loss(batch, args):
-    return _per_token_loss(batch["new_logp"], batch, args, batch.get("new_values"))
+    return _loss(batch["new_logp"], batch, args, batch.get("new_values"))[1]["per_token_loss"]
 
 
 def loss(batch, args):
-    return _aggregate(per_token_loss(batch, args), batch, args)
+    return _loss(batch["new_logp"], batch, args, batch.get("new_values"))[0]
 
 
 def train_loss(model, batch, args, critic=None):
@@ -83,7 +65,7 @@ def train_loss(model, batch, args, critic=None):
             critic, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
             torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_mask"],
         )  # fmt: skip
-    return _aggregate(_per_token_loss(new_logp, batch, args, new_values), batch, args)
+    return _loss(new_logp, batch, args, new_values)[0]
 
 
 def update(model, batch, args):
@@ -101,7 +83,7 @@ def update(model, batch, args):
 def initial_models(args):
     """The models step 1 started from: the policy (also the reference) and, for PPO, the critic."""
     device = torch.device("cpu")
-    policy = common.load_causal_lm(args["model"], device)
+    policy = models.load_causal_lm(args["model"], device)
     critic = ppo.load_critic(args["critic_model"] or args["model"], device) if args["script"] == "ppo" else None
     return policy, critic
 

@@ -1,0 +1,190 @@
+"""TRL's GRPOTrainer (trl 1.16) as a verify.py adapter: `python verify.py DUMP --against trl`.
+
+TRL runs its own pipeline on the dump's batch: a GRPOTrainer gets the stored completions through its
+`rollout_func` hook (in place of sampling) and the stored rewards through a reward function, then its
+`_generate_and_score_completions` pads, masks, computes the reference log-probs and the group advantages,
+and its `compute_loss` gives the loss whose gradient is compared. The per-token loss and KL are TRL's own
+tensors, read as `_compute_loss` returns (TRL returns only the aggregate); the per-token loss from stored
+log-probs replaces TRL's forward by the stored ones. `update` is one step of the optimizer TRL's Trainer
+builds. Needs trl (pip install -r requirements-extra.txt). Our flags map to TRL's:
+
+  --loss-agg seq-mean-token-mean / token-mean / seq-mean-token-sum-norm -> loss_type grpo / dapo / dr_grpo
+  --scale-rewards, --importance-level, --beta, --clip-low/high, --num-iterations, --temperature,
+  --max-new-tokens, --learning-rate, --weight-decay, --max-grad-norm   -> the same GRPOConfig fields
+"""
+
+import contextlib
+import sys
+import tempfile
+
+import torch
+
+try:
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+except ImportError as e:
+    raise ImportError(f"{e.msg}: the trl adapter needs TRL (pip install -r requirements-extra.txt)") from None
+
+OPTIONS = {"use_bias_correction_kl": True}  # TRL's default; --set use_bias_correction_kl=false matches grpo.py's
+LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}
+state = {}
+
+
+def differences(args, options):
+    """The known differences between TRL and grpo.py that this dump's flags switch on."""
+    out = []
+    if options["use_bias_correction_kl"] != bool(args.get("bias_corrected_kl")) and args["beta"] > 0:
+        out.append(f"TRL use_bias_correction_kl={options['use_bias_correction_kl']}, grpo.py --bias-corrected-kl "
+                   f"{bool(args.get('bias_corrected_kl'))}: the k3 term is weighted by the ratio exp(logp - old_logp) "
+                   "in one of them (same value at ratio 1, its gradient gains beta * kl * grad logp): pass "
+                   "--bias-corrected-kl to grpo.py, or --set use_bias_correction_kl=false here")  # fmt: skip
+    if args["weight_decay"] > 0 and args.get("decay_norms_and_biases", True):
+        out.append("the HF Trainer leaves biases and norm weights out of weight decay, grpo.py decays every weight: "
+                   "the update differs by lr * weight_decay * w on those weights")  # fmt: skip
+    if args["warmup_steps"] > 0:
+        out.append("warmup: grpo.py's step s uses lr * (s + 1) / (warmup + 1), the HF Trainer's lr * s / warmup")
+    return out
+
+
+def setup(args, options, model):
+    """A GRPOTrainer around `model` (the initial weights) with the run's settings; TRL loads its own reference."""
+    with _quiet_warnings():  # transformers' deprecation notices about fields TRL still sets
+        config = GRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix="verify-trl-"), report_to=[], use_cpu=True, bf16=False, seed=args["seed"],
+            per_device_train_batch_size=args["prompts_per_step"] * args["group_size"], gradient_accumulation_steps=1,
+            num_generations=args["group_size"], max_completion_length=args["max_new_tokens"], temperature=args["temperature"],
+            beta=args["beta"], epsilon=args["clip_low"], epsilon_high=args["clip_high"], num_iterations=args["num_iterations"],
+            loss_type=LOSS_TYPES[args["loss_agg"]], scale_rewards=args["scale_rewards"],
+            importance_sampling_level=args["importance_level"], use_bias_correction_kl=options["use_bias_correction_kl"],
+            learning_rate=args["learning_rate"], weight_decay=args["weight_decay"], max_grad_norm=args["max_grad_norm"],
+            lr_scheduler_type="constant", save_strategy="no", logging_strategy="no",
+        )  # fmt: skip
+    tokenizer = state["tokenizer"] = _tokenizer(model)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    with _quiet_warnings():
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=[_stored_rewards], args=config, processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": [""]}), rollout_func=_stored_rollout,
+        )  # fmt: skip
+    hf_logging.set_verbosity(verbosity)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is never called here
+    trainer.model.train()
+    state["trainer"] = trainer
+
+
+def _tokenizer(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.config._name_or_path)
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rollout_func is "experimental"
+        yield
+
+
+def _stored_rollout(prompts, trainer):
+    """In place of sampling: the dump's prompt and completion ids, unpadded (TRL pads them itself)."""
+    batch = state["batch"]
+    prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch["completion_ids"], batch["completion_mask"])]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def _stored_rewards(prompts, completions, row, **kwargs):
+    return [float(state["batch"]["rewards"][i]) for i in row]
+
+
+def _prepare(batch):
+    """TRL's own inputs for this batch: padding, masks, reference log-probs, advantages."""
+    state["batch"] = batch
+    rows = [{"prompt": state["tokenizer"].decode(ids[m.bool()]), "row": i}
+            for i, (ids, m) in enumerate(zip(batch["prompt_ids"], batch["prompt_mask"]))]  # fmt: skip
+    with _quiet_warnings():
+        inputs = state["trainer"]._generate_and_score_completions(rows)
+    for ours, theirs in (("prompt_ids", "prompt_ids"), ("completion_mask", "completion_mask")):
+        if inputs[theirs].shape != batch[ours].shape or not torch.equal(inputs[theirs].cpu(), batch[ours].cpu()):
+            raise ValueError(f"TRL's {theirs} {tuple(inputs[theirs].shape)} differ from the dump's {tuple(batch[ours].shape)}")
+    if batch.get("old_logp") is not None and state["trainer"].num_iterations > 1:
+        inputs["old_per_token_logps"] = batch["old_logp"]  # the sampling policy's, as the run froze them
+    return inputs
+
+
+def group_advantages(batch, args):
+    return _prepare(batch)["advantages"]
+
+
+def _patched(model, args):
+    if not getattr(model, "_verify_fused", False):  # what GRPOTrainer does to its own model
+        add_fused_lm_head(model, temperature=args["temperature"], outputs=("log_probs", "entropy"))
+        model._verify_fused = True
+    return model
+
+
+def token_logprobs(model, batch, args):
+    inputs = _prepare(batch)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    T = inputs["completion_ids"].shape[1]
+    logps, _, _ = state["trainer"]._get_per_token_logps_and_entropies(_patched(model, args), ids, mask, T)
+    return logps * inputs["completion_mask"]
+
+
+def _loss_from_stored(batch, args):
+    """TRL's _compute_loss on the stored log-probs and advantages; its locals are read as it returns."""
+    trainer = state["trainer"]
+    inputs = dict(_prepare(batch), advantages=batch["advantages"], old_per_token_logps=batch["old_logp"])
+    if "ref_logp" in batch:
+        inputs["ref_per_token_logps"] = batch["ref_logp"]
+    new_logp = batch["new_logp"].clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new_logp, torch.zeros_like(new_logp), None)
+    captured = {}
+
+    def profiler(frame, event, arg):
+        if event == "return" and frame.f_code is type(trainer)._compute_loss.__code__:
+            captured.update(frame.f_locals)
+
+    sys.setprofile(profiler)
+    try:
+        loss = trainer._compute_loss(trainer.model, inputs)
+    finally:
+        sys.setprofile(None)
+        del trainer._get_per_token_logps_and_entropies
+    return loss, captured
+
+
+def kl(batch, args):
+    _, local = _loss_from_stored(batch, args)
+    return local["per_token_kl"] * batch["completion_mask"]
+
+
+def per_token_loss(batch, args):
+    _, local = _loss_from_stored(batch, args)
+    return local["per_token_loss"].expand_as(batch["new_logp"]) * batch["completion_mask"]
+
+
+def loss(batch, args):
+    return _loss_from_stored(batch, args)[0]
+
+
+def train_loss(model, batch, args, critic=None):
+    inputs = _prepare(batch)
+    return state["trainer"].compute_loss(_patched(model, args), inputs)
+
+
+def update(model, batch, args):
+    """One step of the optimizer TRL's Trainer builds (its weight-decay groups), after clipping the grad norm."""
+    trainer = state["trainer"]
+    trainer.model, trainer.optimizer = _patched(model, args), None
+    optimizer = trainer.create_optimizer()
+    model.train()
+    train_loss(model, batch, args).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
+    optimizer.step()

@@ -1,0 +1,153 @@
+"""verl 0.9.1's pure advantage, KL and loss functions (verl/trainer/ppo/core_algos.py) as a verify.py adapter.
+
+    python -m venv --system-site-packages .verl-venv     # sees this project's torch and transformers
+    .verl-venv/bin/pip install --no-deps verl==0.9.1 omegaconf codetiming tensordict pyvers ray msgpack
+    .verl-venv/bin/python verify.py DUMP --against verl
+
+The functions are pure torch, but importing core_algos runs verl's package __init__ (its DataProto imports ray
+and tensordict) and its config dataclasses (omegaconf, codetiming): these six wheels without their own
+dependencies are the least that imports the module unchanged (a stub package in place of verl's __init__
+still needs ray, through verl.utils). The virtual environment keeps them, and verl's pins (transformers<5.11,
+tensordict<=0.10), out of this project's. Nothing of verl is copied here.
+
+The losses are composed as verl's actor composes them (verl/workers/utils/losses.py: policy loss + kl_loss_coef
+* agg_loss(kl_penalty(..., "low_var_kl")); critic: compute_value_loss). verl returns only aggregates: its
+per-token loss is read as the gradient of its "token-sum" aggregate with respect to the mask. Log-probs use
+verl's position ids (compute_position_id_with_mask) and logprobs_from_logits on logits / temperature, as
+its actor does. There is no `update`: verl's optimizer is its engine's, not a function.
+"""
+
+import numpy as np
+import torch
+
+try:
+    from verl.trainer.ppo import core_algos
+    from verl.utils import torch_functional as verl_F
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.config import ActorConfig
+except ImportError as e:
+    raise ImportError(f"{e.msg}: run verify.py with the python of a venv that has verl (see adapters/verl.py)") from None
+
+# verl's defaults: GRPO's eps 1e-6 (grpo.py: 1e-4); seq-mean-token-sum-norm divides by the padded width
+# unless loss_scale_factor is set (grpo.py: max_new_tokens).
+OPTIONS = {"epsilon": 1e-6, "loss_scale_factor": 0}
+KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+options = dict(OPTIONS)
+
+
+def setup(args, chosen, model):
+    options.update(chosen)
+
+
+def differences(args, chosen):
+    out = []
+    if args["script"] == "grpo" and args["scale_rewards"] == "group" and chosen["epsilon"] != 1e-4:
+        out.append(f"GRPO advantages: verl divides by std + {chosen['epsilon']:g}, grpo.py by std + 1e-4 "
+                   "(--set epsilon=1e-4 matches)")  # fmt: skip
+    if args["script"] == "ppo":
+        out.append("GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), ppo.py with the "
+                   "population variance; verl also carries values across masked holes (a dump has none)")
+    if args.get("loss_agg") == "seq-mean-token-sum-norm" and not chosen["loss_scale_factor"]:
+        out.append("seq-mean-token-sum-norm: verl divides by the padded width T, grpo.py by --max-new-tokens "
+                   f"({args['max_new_tokens']}): they agree only when a completion reaches it "
+                   f"(--set loss_scale_factor={args['max_new_tokens']} matches)")  # fmt: skip
+    if args.get("loss_agg", "").startswith("seq-mean"):
+        out.append("seq-mean aggregations: verl averages over non-empty sequences, grpo.py over all (the same "
+                   "unless a completion has no token)")
+    out.append("verl's dual-clip (clip_ratio_c 3, for negative advantages) and its k3 clamp to [-10, 10] act only "
+               "on extreme ratios")  # fmt: skip
+    return out
+
+
+def _config(args, batch):
+    """verl's actor config for this run, with the batch's global denominators (as its ppo_loss sets them)."""
+    config = ActorConfig(strategy="fsdp", rollout_n=args.get("group_size", 1), use_dynamic_bsz=True,
+                         clip_ratio_low=args["clip_low"], clip_ratio_high=args["clip_high"])  # fmt: skip
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=batch["num_tokens"], global_batch_size=batch["num_seqs"],
+                                    loss_scale_factor=options["loss_scale_factor"] or None)  # fmt: skip
+    return config
+
+
+def _no_bias_correction(args):
+    if args["script"] == "grpo" and args["beta"] > 0 and args.get("bias_corrected_kl"):
+        raise NotImplementedError("verl has no ratio-weighted k3 (--bias-corrected-kl); its 'k3+' is another estimator")
+
+
+def group_advantages(batch, args):
+    if args["scale_rewards"] == "batch":
+        raise NotImplementedError("verl's GRPO divides by the group's std or by nothing, never the batch's")
+    mask = batch["completion_mask"]
+    rewards = torch.zeros(mask.shape) + batch["rewards"][:, None] * (torch.arange(mask.shape[1]) == 0)  # summed by verl
+    index = np.arange(len(mask)) // args["group_size"]
+    advantages, _ = core_algos.compute_grpo_outcome_advantage(
+        rewards, mask, index, epsilon=options["epsilon"], norm_adv_by_std_in_grpo=args["scale_rewards"] != "none"
+    )
+    return advantages
+
+
+def gae(batch, args):
+    return core_algos.compute_gae_advantage_return(
+        batch["rewards"], batch["values"], batch["completion_mask"], args["gamma"], args["lam"]
+    )
+
+
+def token_logprobs(model, batch, args):
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    T = batch["completion_ids"].shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   position_ids=compute_position_id_with_mask(attention_mask)).logits  # fmt: skip
+    logits = logits[:, -T - 1 : -1].float() / args["temperature"]
+    return verl_F.logprobs_from_logits(logits, batch["completion_ids"]) * batch["completion_mask"]
+
+
+def kl(batch, args):
+    _no_bias_correction(args)
+    if args["script"] == "ppo":
+        return core_algos.kl_penalty(batch["old_logp"], batch["ref_logp"], KL_TYPES[args["kl_estimator"]])
+    return core_algos.kl_penalty(batch["new_logp"], batch["ref_logp"], "low_var_kl")
+
+
+def _losses(new_logp, batch, args, agg, mask, new_values=None):
+    """verl's policy loss (+ beta * KL loss for GRPO, + vf_coef * value loss for PPO), aggregated by `agg`."""
+    _no_bias_correction(args)
+    config = _config(args, batch)
+    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
+    policy_loss = core_algos.compute_policy_loss_gspo if args.get("importance_level") == "sequence" else \
+        core_algos.compute_policy_loss_vanilla  # fmt: skip
+    advantages = batch["advantages"] if args["script"] == "ppo" else batch["advantages"][:, None].expand_as(mask)
+    loss, _ = policy_loss(old_logp, new_logp, advantages, mask, agg, config)
+    if args["script"] == "grpo" and args["beta"] > 0:
+        kld = core_algos.kl_penalty(new_logp, batch["ref_logp"], "low_var_kl")
+        loss = loss + args["beta"] * core_algos.agg_loss(kld, mask, agg, **config.global_batch_info)
+    if args["script"] == "ppo":
+        v_loss, _ = core_algos.compute_value_loss(new_values, batch["returns"], batch["values"], mask,
+                                                  args["cliprange_value"], agg, **config.global_batch_info)  # fmt: skip
+        loss = loss + args["vf_coef"] * v_loss
+    return loss
+
+
+def per_token_loss(batch, args):
+    mask = batch["completion_mask"].float().requires_grad_(True)
+    token_sum = _losses(batch["new_logp"], batch, args, "token-sum", mask, batch.get("new_values"))
+    (per_token,) = torch.autograd.grad(token_sum, mask)  # d(sum_t m_t L_t) / d m_t = L_t
+    return per_token
+
+
+def _agg(args):
+    return "token-mean" if args["script"] == "ppo" else args["loss_agg"]
+
+
+def loss(batch, args):
+    return _losses(batch["new_logp"], batch, args, _agg(args), batch["completion_mask"], batch.get("new_values"))
+
+
+def train_loss(model, batch, args, critic=None):
+    new_logp = token_logprobs(model, batch, args)
+    new_values = None
+    if critic is not None:  # the values come from this project's critic: verl's is its engine's model
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        T = batch["completion_ids"].shape[1]
+        new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
+    return _losses(new_logp, batch, args, _agg(args), batch["completion_mask"], new_values)
