@@ -51,10 +51,11 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 QUANTITIES = ["advantages", "returns", "log-probs", "kl", "per-token loss", "loss", "gradient", "update"]
 # (kind, value): "abs" bounds max |ours - theirs|, "rel" bounds it divided by max |ours|. Float32 on CPU; a
-# dump made under bf16 autocast needs --tol log-probs=1e-2 (README, "Verify your implementation").
+# dump made under bf16 autocast needs --tol log-probs=1e-2. Adam's first step is about lr * sign(gradient), so
+# a gradient element near 0 may move either way in two right implementations: the update gets 1e-4.
 TOLERANCES = {
     "advantages": ("abs", 1e-6), "returns": ("abs", 1e-6), "log-probs": ("abs", 1e-5), "kl": ("abs", 1e-6),
-    "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5), "update": ("abs", 1e-5),
+    "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5), "update": ("abs", 1e-4),
 }  # fmt: skip
 ADAPTER_FUNCTIONS = ["group_advantages", "gae", "token_logprobs", "kl", "per_token_loss", "loss", "train_loss", "update"]
 
@@ -206,7 +207,8 @@ def grpo_batch(d):
 
 def ppo_micro_batch(d):
     """The dump's first micro-batch, with the new log-probs and values the loss used; the loss divides by its minibatch."""
-    idx, minibatch = d["mb_index"], d["minibatch_index"]
+    idx = d["micro_index"] if "micro_index" in d else d["mb_index"]  # named mb_index by older dumps
+    minibatch = d["minibatch_index"]
     keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logp", "ref_logp", "values", "returns", "advantages"]
     batch = rows_of(d, idx, keys)
     batch.update(new_logp=d["new_logp"], new_values=d["new_values"], num_seqs=len(minibatch),
@@ -310,8 +312,11 @@ def replay(ref, policy, opt, d, args, iterations):
 def verify(args, steps, adapter, options, tolerances):
     ref = load_adapter("self")
     initial, critic = ref.initial_models(args)
-    if hasattr(adapter, "setup"):
-        adapter.setup(args, options, copy.deepcopy(initial))
+    try:
+        if hasattr(adapter, "setup"):
+            adapter.setup(args, options, copy.deepcopy(initial))
+    except NotImplementedError as e:
+        raise VerifyError(f"adapter {adapter.label!r}: {e}") from None
     report, notes = Report(tolerances), []
     for step in sorted(steps):
         check_pure(report, adapter, ref, step, steps[step], args)

@@ -50,6 +50,8 @@ def differences(args, options):
 
 def setup(args, options, model):
     """A GRPOTrainer around `model` (the initial weights) with the run's settings; TRL loads its own reference."""
+    if args["script"] != "grpo":
+        raise NotImplementedError("it covers GRPOTrainer only (TRL 1.16 ships no PPO trainer): use --against verl")
     with _quiet_warnings():  # transformers' deprecation notices about fields TRL still sets
         config = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="verify-trl-"), report_to=[], use_cpu=True, bf16=False, seed=args["seed"],

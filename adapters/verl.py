@@ -1,14 +1,13 @@
 """verl 0.9.1's pure advantage, KL and loss functions (verl/trainer/ppo/core_algos.py) as a verify.py adapter.
 
-    python -m venv --system-site-packages .verl-venv     # sees this project's torch and transformers
-    .verl-venv/bin/pip install --no-deps verl==0.9.1 omegaconf codetiming tensordict pyvers ray msgpack
-    .verl-venv/bin/python verify.py DUMP --against verl
+    pip install --no-deps --target .verl-site -r requirements-verl.txt    # a folder of its own
+    PYTHONPATH=.verl-site python verify.py DUMP --against verl
 
 The functions are pure torch, but importing core_algos runs verl's package __init__ (its DataProto imports ray
-and tensordict) and its config dataclasses (omegaconf, codetiming): these six wheels without their own
-dependencies are the least that imports the module unchanged (a stub package in place of verl's __init__
-still needs ray, through verl.utils). The virtual environment keeps them, and verl's pins (transformers<5.11,
-tensordict<=0.10), out of this project's. Nothing of verl is copied here.
+and tensordict) and its config dataclasses (omegaconf, codetiming); a stub package in place of verl's __init__
+still needs ray, through verl.utils. requirements-verl.txt lists verl and exactly what that import needs,
+installed without their dependencies into .verl-site, so that verl's pins (transformers<5.11) never touch this
+project's environment and nothing else of it is installed. Nothing of verl is copied here.
 
 The losses are composed as verl's actor composes them (verl/workers/utils/losses.py: policy loss + kl_loss_coef
 * agg_loss(kl_penalty(..., "low_var_kl")); critic: compute_value_loss). verl returns only aggregates: its
@@ -26,7 +25,7 @@ try:
     from verl.utils.model import compute_position_id_with_mask
     from verl.workers.config import ActorConfig
 except ImportError as e:
-    raise ImportError(f"{e.msg}: run verify.py with the python of a venv that has verl (see adapters/verl.py)") from None
+    raise ImportError(f"{e.msg}: verl is not importable (PYTHONPATH=.verl-site, see adapters/verl.py)") from None
 
 # verl's defaults: GRPO's eps 1e-6 (grpo.py: 1e-4); seq-mean-token-sum-norm divides by the padded width
 # unless loss_scale_factor is set (grpo.py: max_new_tokens).
