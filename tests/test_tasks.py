@@ -34,3 +34,19 @@ def test_broken_reward_function_is_a_usage_error(bad_reward):
 def test_unknown_task_is_a_usage_error():
     with pytest.raises(UsageError, match="nosuchtask"):
         load_task("nosuchtask")
+
+
+def test_held_out_split_is_a_fixed_shuffle():
+    """split_examples holds out 10% chosen by a fixed-seed shuffle: not the first lines of the data (a file sorted by
+    difficulty or topic would give an unrepresentative held-out set), the same on every run, disjoint from the
+    training examples, and without reordering the caller's list. Guards a split without the shuffle, or an unseeded one."""
+    from tasks import split_examples
+
+    examples = [{"prompt": f"{i}=", "answer": str(i)} for i in range(100)]
+    train, test = split_examples("ordered", examples)
+    assert len(test) == 10 and len(train) == 90
+    held_out = sorted(int(ex["answer"]) for ex in test)
+    assert sorted(held_out + [int(ex["answer"]) for ex in train]) == list(range(100))
+    assert held_out != list(range(10)) and held_out != list(range(90, 100)) and max(held_out) - min(held_out) > 50
+    assert split_examples("ordered", examples) == (train, test)
+    assert [ex["answer"] for ex in examples] == [str(i) for i in range(100)]
