@@ -1,17 +1,17 @@
-"""Bookkeeping shared by grpo.py and ppo.py: nothing here changes what a run computes.
+"""The run's flags and logs, shared by grpo.py and ppo.py: nothing here changes what a run computes.
 
-The flags both scripts share (RunArgs), seeding, presets, TensorBoard logging, timing, the one-line
-error exit, checkpoints and resume, batch dumps, and the guards that stop a run cleanly (signals, NaN).
+The flags both scripts share (RunArgs) and their checks, the hub defaults, the one-line error exit, seeding,
+TensorBoard logging (the averaging of the logged statistics included), timing and the closing summary.
+What a run writes to disk to be continued or verified (checkpoints, dumps) is in checkpoints.py.
 """
 
 import contextlib
+import dataclasses
+import inspect
 import os
 import random
 import re
 import resource
-import shlex
-import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +20,9 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from common import TINY_MODEL, UsageError
+from common import approx_kl, clip_fraction, masked_mean
+from errors import UsageError
+from models import TINY_MODEL, count_parameters
 
 
 @dataclass
@@ -49,6 +51,41 @@ class RunArgs:
     """print a few sample completions every this many steps (0: never)"""
     output_dir: str = "runs"
     """TensorBoard logs, checkpoints and the final model(s) go to output_dir/run_name"""
+
+
+def parse_args(args_class, hub_defaults):
+    """(the command line as `args_class`, the fields of `hub_defaults` it sets: those keep the value given).
+
+    --help shows each field's default as declared, and the hub defaults in the description.
+    """
+    import tyro
+
+    hub = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in hub_defaults.items())
+    description = f"{inspect.cleandoc(args_class.__doc__)}\n\nOn a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
+    args = tyro.cli(args_class, description=description)
+    flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
+    return args, {key for key in hub_defaults if "--" + key.replace("_", "-") in flags}
+
+
+def check_positive(args, *names):
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
+
+
+def check_run_args(args):
+    """The checks of the flags grpo.py and ppo.py share; each script's check_args checks its own first."""
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
+    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
+        raise UsageError(
+            f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0"
+        )
+    for name in ("eval_every", "save_every", "sample_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(
+                f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps"
+            )
 
 
 def run_main(main):
@@ -81,6 +118,13 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def run_dir(args):
+    """The run's folder: a new one under output_dir, or, on --resume, the one holding the checkpoint."""
+    if args.resume:
+        return os.path.dirname(os.path.abspath(args.resume))
+    return os.path.join(args.output_dir, run_name(args))
+
+
 def run_name(args):
     """<task>__<exp_name>__<seed>__<unix time>, CleanRL's layout, made safe as a folder name and unique."""
     task = re.sub(r"[^\w.-]+", "_", args.task)
@@ -91,28 +135,70 @@ def run_name(args):
     return name if suffix == 1 else f"{name}_{suffix}"
 
 
-def apply_preset(args, presets):
-    """Fill the Args left as None from a column of `presets`: `tiny` for the built-in model, else `hub`."""
+def apply_hub_defaults(args, hub_defaults, given=()):
+    """On a model other than the tiny one (or with --preset hub), each field of `hub_defaults` still at its Args
+    default takes the hub value, unless it is in `given` (set on the command line). Returns `tiny` or `hub`."""
     preset = args.preset or ("tiny" if args.model == TINY_MODEL else "hub")
-    for key, value in presets[preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    if preset == "hub":
+        defaults = {field.name: field.default for field in dataclasses.fields(args)}
+        for key, value in hub_defaults.items():
+            if key not in given and getattr(args, key) == defaults[key]:
+                setattr(args, key, value)
     return preset
 
 
-def make_writer(run_dir, args, purge_step=None):
+def print_settings(args, run_dir, preset, hub_defaults):
+    print(f"settings ({preset} defaults, run {run_dir}):")
+    for key, value in vars(args).items():
+        hub = "   (HUB_DEFAULTS)" if preset == "hub" and key in hub_defaults and value == hub_defaults[key] else ""
+        print(f"  {key:<22} {value}{hub}")
+
+
+def make_writer(run_dir, args, first_step, **models):
+    """A TensorBoard writer; a new run logs the parameter count of each model (0: not loaded) at step 0."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_dir, purge_step=purge_step)  # on resume, drop events logged after the checkpoint
+    writer = SummaryWriter(run_dir, purge_step=first_step)  # on resume, drop events logged after the checkpoint
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    if first_step == 1:  # once, so a resumed run's log is the uninterrupted run's
+        for name, model in models.items():
+            writer.add_scalar(f"charts/params_{name}", count_parameters(model) if model is not None else 0, 0)
     return writer
 
 
-def print_settings(args, extra):
-    print(f"settings ({extra}):")
-    for key, value in vars(args).items():
-        print(f"  {key:<22} {value}")
+def logged_losses(updates, args):
+    """The losses/ scalars of one step (README, "What is logged"), from the per-token terms the update gathered.
+
+    updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
+    Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real
+    tokens), averaged over the step's updates.
+    """
+    totals = {}
+    for micro_terms in updates:
+        update_tokens = sum(int(terms["mask"].sum()) for terms in micro_terms)
+        for terms in micro_terms:
+            weight = int(terms["mask"].sum()) / max(update_tokens, 1) / len(updates)
+            for name, value in token_means(terms, args).items():
+                totals[name] = totals.get(name, 0.0) + value.item() * weight
+    return totals
+
+
+def token_means(terms, args):
+    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's critic."""
+    mask, logratio = terms["mask"], terms["logratio"]
+    means = dict(
+        policy_loss=masked_mean(terms["pg_loss"], mask),
+        approx_kl=approx_kl(logratio, mask),
+        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
+        entropy=masked_mean(terms["entropy"], mask),
+    )
+    if "kl_ref" in terms:
+        means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
+    if "v_loss" in terms:
+        v_clipped = (terms["new_values"] - terms["old_values"]).abs() > args.cliprange_value
+        means.update(value_loss=masked_mean(terms["v_loss"], mask), clipfrac_value=masked_mean(v_clipped.float(), mask))
+    return means
 
 
 def log_perf(writer, step, timer, total_tokens, device):
@@ -151,154 +237,3 @@ class Timer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints, resume, batch dumps and faults.
-# ---------------------------------------------------------------------------------------------------
-
-# Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
-RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir"}
-
-
-def _swap_into_place(tmp, folder):
-    """Replace `folder` by the finished `tmp`: at every moment one complete copy exists on disk."""
-    old = f"{folder}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(folder):
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def save_model(model, tokenizer, folder):
-    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model."""
-    tmp = f"{folder}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _swap_into_place(tmp, folder)
-
-
-def rng_state():
-    return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }  # fmt: skip
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(folder, script, args, models, tokenizer, state):
-    """Everything needed to continue exactly: each model by save_pretrained (loadable by transformers and
-    vLLM as it is), and state.pt with the Args, step, optimizer, scheduler and RNG states. Atomic."""
-    tmp = f"{folder}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for name, model in models.items():
-        model.save_pretrained(os.path.join(tmp, name))
-        tokenizer.save_pretrained(os.path.join(tmp, name))
-    torch.save({"script": script, "args": vars(args), "rng": rng_state(), **state}, os.path.join(tmp, "state.pt"))
-    _swap_into_place(tmp, folder)
-
-
-def load_checkpoint(folder, script, args):
-    """The state of a checkpoint written by `script`, after checking it fits these Args."""
-    path = os.path.join(folder, "state.pt")
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder")
-    try:
-        state = torch.load(path, weights_only=False)  # our own file: it holds Python RNG states
-    except Exception as e:
-        raise UsageError(f"--resume {folder!r}: state.pt cannot be read ({type(e).__name__}): the checkpoint is corrupt") from None
-    if state.get("script") != script:
-        raise UsageError(f"--resume {folder!r} is a checkpoint of {state.get('script')}.py, not {script}.py: resume it with that script")
-    for key, value in vars(args).items():
-        if key not in RESUMABLE_CHANGES and state["args"].get(key) != value:
-            raise UsageError(
-                f"--resume {folder!r} was run with --{key.replace('_', '-')} {state['args'].get(key)}, not {value}: "
-                "drop the flag or pass the checkpoint's value"
-            )
-    return state
-
-
-def restore_state(resume, optimizer, scheduler, sampler, history):
-    """(first step to run, history): 1 and `history` for a new run; for a resumed one, the checkpoint's,
-    with its optimizer, scheduler, prompt order and RNG states put back."""
-    if not resume:
-        return 1, history
-    optimizer.load_state_dict(resume["optimizer"])
-    scheduler.load_state_dict(resume["scheduler"])
-    sampler.load_state_dict(resume["sampler"])
-    set_rng_state(resume["rng"])
-    return resume["step"] + 1, resume["history"]
-
-
-class StopSignal:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves a checkpoint and exits.
-    A second Ctrl-C stops at once (the last checkpoint on disk stays intact: saves are atomic)."""
-
-    def __init__(self):
-        self.name = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.name is not None:
-            raise KeyboardInterrupt
-        self.name = signal.Signals(signum).name
-        print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
-
-
-def resume_command(script, checkpoint_dir):
-    """The command that continues this run: its own flags (load_checkpoint wants the same Args back), then --resume."""
-    flags = sys.argv[1:] if os.path.basename(sys.argv[0]) == f"{script}.py" else []  # [] when main() is called from Python
-    kept = []
-    for i, flag in enumerate(flags):
-        if not (flag.startswith("--resume=") or flag == "--resume" or (i > 0 and flags[i - 1] == "--resume")):
-            kept.append(flag)
-    return " ".join(shlex.quote(part) for part in ["python", f"{script}.py", *kept, "--resume", checkpoint_dir])
-
-
-def dump_batch(path, tensors):
-    """One safetensors file of named tensors (the batch dumps read by the verification snippet).
-
-    A value may be a list of micro-batch pieces, concatenated here, so the loop only appends to it.
-    """
-    from safetensors.torch import save_file
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tensors = {k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if not (isinstance(v, list) and not v)}
-    # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
-    save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
-
-
-def write_dump_metadata(dump_dir, script, args):
-    import json
-    import platform
-
-    import transformers
-
-    os.makedirs(dump_dir, exist_ok=True)
-    meta = {"script": script, "args": vars(args), "versions": {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
-    with open(os.path.join(dump_dir, "metadata.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-
-
-def check_finite(step, what, value, run_dir, tensors):
-    """Stop the run on a NaN or inf: dump the offending batch beside the run, keep the last good checkpoint untouched."""
-    if torch.isfinite(torch.as_tensor(value)).all():
-        return
-    dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), os.path.join(run_dir, "checkpoint")
-    dump_batch(dump_path, tensors)
-    where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
-    raise UsageError(
-        f"step {step}: the {what} is not finite; the batch is dumped to {dump_path} and {where}: "
-        "lower --learning-rate or check the reward function"
-    )

@@ -6,7 +6,7 @@ advantage of every one of its tokens. The loss is the PPO-clip surrogate plus a 
 frozen reference model.
 
     python grpo.py                                                   # tiny model, copy task, CPU, ~1.5 min
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets its own preset
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets HUB_DEFAULTS
     python grpo.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --clip-high 0.28 --loss-agg token-mean                   # DAPO's clip-higher + token mean
     python grpo.py --importance-level sequence --clip-low 3e-4 --clip-high 4e-4   # GSPO
@@ -17,6 +17,10 @@ Where this departs from the paper:
   2. The reward std has an eps of 1e-4 added, so an all-equal group gets advantage 0, not NaN.
   3. The log-probs use logits divided by the sampling temperature, the distribution that sampled.
   4. --scale-rewards, --loss-agg and --importance-level switch in the Dr. GRPO, DAPO and GSPO variants.
+  5. The default run divides the advantages by the std of the whole batch's rewards (--scale-rewards batch),
+     not each group's: the tiny model's groups of 8 are often nearly constant. HUB_DEFAULTS use the group's.
+  6. The default run's beta is an entropy pull, not a leash to a fine-tuned model: the tiny model starts from
+     random weights, so its reference is near uniform, and without beta * KL it turns deterministic at ~0.8.
 """
 
 import os
@@ -25,40 +29,42 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import bookkeeping
+import checkpoints
 import common
-from common import UsageError
-from tasks import PromptSampler, RewardModel, load_task
+import models
+from errors import UsageError
+from tasks import load_task
 
 
 @dataclass
 class Args(bookkeeping.RunArgs):
-    """GRPO (see the top of grpo.py). The first flags, for data, precision, checkpoints and logs, are shared with ppo.py."""
+    """GRPO (see the top of grpo.py); the first flags (data, precision, checkpoints, logs) are shared with ppo.py.
+    The defaults are the built-in tiny model's; on any other model, HUB_DEFAULTS replace some of them."""
 
     exp_name: str = "grpo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
-    model: str = common.TINY_MODEL
+    model: str = models.TINY_MODEL
     """hub id or local folder of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
     """task to train on (see tasks.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
-    """which column of PRESETS fills the unset fields: `tiny` for the tiny model, `hub` for any other"""
-    num_steps: Optional[int] = None
+    """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
+    num_steps: int = 600
     """training steps; each samples prompts_per_step * group_size completions"""
-    prompts_per_step: Optional[int] = None
+    prompts_per_step: int = 16
     """distinct prompts per step"""
-    group_size: Optional[int] = None
+    group_size: int = 8
     """completions per prompt (G), the group the advantage is standardised over"""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int = 5
     """longest completion, in tokens"""
     temperature: float = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
-    learning_rate: Optional[float] = None
+    learning_rate: float = 5e-4
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled), on every weight; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
@@ -72,9 +78,9 @@ class Args(bookkeeping.RunArgs):
     """the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
     """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
-    beta: Optional[float] = None
+    beta: float = 0.04
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
-    scale_rewards: Optional[Literal["group", "batch", "none"]] = None
+    scale_rewards: Literal["group", "batch", "none"] = "batch"
     """divide (r - group mean) by the group's std (paper), the batch's std, or nothing (Dr. GRPO)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
@@ -82,36 +88,25 @@ class Args(bookkeeping.RunArgs):
     """weight the k3 term by the importance ratio (TRL's default, DeepSeek-V3.2): same value, its gradient gains kl * grad log p"""
     importance_level: Literal["token", "sequence"] = "token"
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: int = 128
     """completions per forward/backward pass; the gradient is that of the whole batch"""
 
 
-# Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
-# The tiny model starts from random weights, so its reference is near uniform and beta * KL acts as an
-# entropy bonus: without it the policy turns deterministic at ~0.8 reward and stops exploring.
-PRESETS = {
-    "tiny": dict(num_steps=600, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=5e-4,
-                 beta=0.04, scale_rewards="batch", micro_batch_size=128),
-    "hub": dict(num_steps=500, prompts_per_step=16, group_size=8, max_new_tokens=512, learning_rate=1e-6,
-                beta=0.04, scale_rewards="group", micro_batch_size=8),
-}  # fmt: skip
+# On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
+# learning rate); a flag given on the command line wins. Printed at start.
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, scale_rewards="group",
+                    micro_batch_size=8)  # fmt: skip
+DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
 
 
 def check_args(args):
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
-    for name in ("prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
-    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
-        raise UsageError(f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0")
+    bookkeeping.check_positive(
+        args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size")
     if args.beta < 0 or args.learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
         raise UsageError("--beta and --warmup-steps must be >= 0, --learning-rate and --max-grad-norm > 0")
-    for name in ("eval_every", "save_every", "sample_every"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
+    bookkeeping.check_run_args(args)
 
 
 def group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -134,47 +129,111 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
     return advantages.view(-1)
 
 
-def main(args):
-    preset = bookkeeping.apply_preset(args, PRESETS)
+def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
+    """Per-token PPO-clip surrogate loss (Schulman et al. 2017, eq. 7) as GRPO uses it, a loss to minimise:
+
+      ratio = exp(logratio),  logratio = logp - old_logp    (GSPO: the completion's mean logratio)
+      loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+
+    A is the completion's advantage [n, 1], the same on all its tokens. clip_low != clip_high is DAPO's
+    "clip-higher" (Yu et al. 2025).
+    """
+    ratio = torch.exp(logratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.max(pg_loss1, pg_loss2)
+
+
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(loss, mask, agg, total_seqs, total_tokens, max_new_tokens):
+    """Reduce a per-token loss [b, T] of one micro-batch to its share of the whole-batch loss.
+
+    The denominators are those of the whole batch (`total_seqs` sequences, `total_tokens` real tokens),
+    so summing the results over micro-batches gives exactly the one-batch loss, and its gradient.
+      seq-mean-token-mean      mean over each sequence's tokens, then over sequences (GRPO paper)
+      token-mean               every real token in the batch weighs the same (DAPO, Yu et al. 2025)
+      seq-mean-token-sum-norm  sum over tokens / (sequences * max_new_tokens), a constant (Dr. GRPO,
+                               Liu et al. 2025), so no length bias enters through the normaliser
+    """
+    mask = mask.to(loss.dtype)
+    if agg == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    if agg == "token-mean":
+        return (loss * mask).sum() / max(total_tokens, 1)
+    if agg == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (total_seqs * max_new_tokens)
+    raise ValueError(f"agg must be one of {LOSS_AGGREGATIONS}, not {agg!r}")
+
+
+def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_tokens, args):
+    """GRPO's loss on one micro-batch (DeepSeekMath eq. 3), as its share of the whole batch's loss.
+
+      ratio_t = exp(logp_t - old_logp_t)              GSPO: exp(mean_t (logp_t - old_logp_t)) on every token
+      L_t     = max(-A ratio_t, -A clip(ratio_t, 1 - clip_low, 1 + clip_high)) + beta * k3_t
+      k3_t    = ref_t / p_t - 1 - log(ref_t / p_t)    Schulman's k3 of KL(policy || ref); times ratio_t with
+                                                      --bias-corrected-kl
+      loss    = aggregate_loss(L) with the batch's total_seqs sequences and total_tokens real tokens
+
+    new_logp [n, T] carries the gradient; old_logp and ref_logp [n, T] (None when beta = 0) and advantages [n]
+    do not. Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    """
+    logratio = new_logp - old_logp  # [n, T]
+    if args.importance_level == "sequence":
+        # GSPO (Zheng et al. 2025): one ratio per completion, exp(mean_t logratio), on every token.
+        logratio = common.masked_mean(logratio, mask, dim=1)[:, None].expand_as(logratio)
+    pg_loss = clipped_policy_loss(logratio, advantages[:, None], args.clip_low, args.clip_high)  # [n, T]
+    per_token_loss, kl_ref = pg_loss, None
+    if ref_logp is not None:
+        # The KL to the reference enters the loss (not the reward), by the k3 estimator.
+        log_r = ref_logp - new_logp
+        kl_ref = torch.exp(log_r) - 1 - log_r  # [n, T]
+        if args.bias_corrected_kl:  # k3 * ratio: an unbiased KL gradient under samples of the old policy
+            kl_ref = kl_ref * torch.exp(logratio)
+        per_token_loss = pg_loss + args.beta * kl_ref
+    loss = aggregate_loss(per_token_loss, mask, args.loss_agg, total_seqs, total_tokens, args.max_new_tokens)
+    terms = dict(new_logp=new_logp, old_logp=old_logp, advantages=advantages[:, None], mask=mask,
+                 logratio=logratio, pg_loss=pg_loss, kl_ref=kl_ref, per_token_loss=per_token_loss * mask, loss=loss)
+    return loss, {key: value.detach() for key, value in terms.items() if value is not None}
+
+
+def main(args, flags_given=()):
+    preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
     check_args(args)
-    common.check_model_names(args, ["model", "reward_model"])
+    models.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
-    device = common.pick_device()
-    dtype = common.resolve_dtype(args.dtype, device)
-    resume = bookkeeping.load_checkpoint(args.resume, "grpo", args) if args.resume else None
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, bookkeeping.run_name(args))
-    bookkeeping.print_settings(args, f"preset {preset}, run {run_dir}")
+    device = models.pick_device()
+    dtype = models.resolve_dtype(args.dtype, device)
+    state = checkpoints.load_checkpoint(args.resume, "grpo", args) if args.resume else None  # checked first
+    run_dir = bookkeeping.run_dir(args)
+    bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     bookkeeping.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
-    policy_path = os.path.join(args.resume, "policy") if resume else args.model
-    tokenizer = common.load_tokenizer(policy_path)
-    policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
+    tokenizer = models.load_tokenizer(args.model)
+    policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
     if args.gradient_checkpointing:
         common.set_activation_checkpointing(policy, True)
     # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded. It is held like
     # the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
-    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
-    scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
-    common.check_vocabulary(tokenizer, task, args.model)
-    common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
-    eos_ids = common.eos_token_ids(policy, tokenizer)
+    ref_model = models.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
+    scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
+    models.check_vocabulary(tokenizer, task, args.model)
+    models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
+    eos_ids = models.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
-    sampler = PromptSampler(task.train, args.seed)
-    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "length": [], "tokens": 0})
-    writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
-    if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
-        writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
-        writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
+    sampler = common.PromptSampler(task.train, args.seed)
+    first_step, history = 1, {"score": [], "length": [], "tokens": 0}
+    if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
+        policy.load_state_dict(models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
+        first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
+    writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
     if args.dump_dir:
-        bookkeeping.write_dump_metadata(args.dump_dir, "grpo", args)
+        checkpoints.write_dump_metadata(args.dump_dir, "grpo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    save_checkpoint = lambda step: bookkeeping.save_checkpoint(  # noqa: E731
-        checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
-        dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
-    )  # fmt: skip
-    stop = bookkeeping.StopSignal()
+    stop = checkpoints.StopSignal()
     timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
@@ -198,68 +257,41 @@ def main(args):
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
             b_mask = completion_mask  # [N, T]
             N, num_tokens = len(prompts), int(b_mask.sum())
-            mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
-                forward = lambda model, mb: common.token_logprobs(  # noqa: E731
-                    model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
-                )
+                forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
+                    model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature) for m in micro_batches])
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
-                b_old_logp = torch.cat([forward(policy, mb) for mb in mb_slices]) if args.num_iterations > 1 else None
-                b_ref_logp = torch.cat([forward(ref_model, mb) for mb in mb_slices]) if ref_model else None
-            dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
-                        rewards=rewards, advantages=advantages)  # fmt: skip
-            if b_ref_logp is not None:
-                dump["ref_logp"] = b_ref_logp
-            bookkeeping.check_finite(step, "reward", rewards, run_dir, dump)
+                b_old_logp = forward(policy) if args.num_iterations > 1 else None
+                b_ref_logp = forward(ref_model) if ref_model else None
+            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                           completion_mask=b_mask, rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
             policy.train()
-            stats = {k: 0.0 for k in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy")}
+            updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for iteration in range(args.num_iterations):
                 optimizer.zero_grad(set_to_none=True)
-                dump.update(old_logp=[], new_logp=[], per_token_loss=[], loss=0.0)  # this iteration's
-                for mb in mb_slices:
-                    mb_mask = b_mask[mb]
+                updates.append([])
+                for micro in micro_batches:
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy, b_input_ids[mb], b_attention_mask[mb], mb_mask, args.temperature, return_entropy=True
+                            policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
+                            return_entropy=True,
                         )  # [n, T]
-                    old_logp = b_old_logp[mb] if b_old_logp is not None else new_logp.detach()
-                    logratio = new_logp - old_logp  # [n, T]
-                    if args.importance_level == "sequence":
-                        # GSPO (Zheng et al. 2025): one ratio per completion, exp(mean_t logratio), on every token.
-                        logratio = common.masked_mean(logratio, mb_mask, dim=1)[:, None].expand_as(logratio)
-                    mb_advantages = advantages[mb, None]  # [n, 1]
-                    pg_loss = common.clipped_policy_loss(logratio, mb_advantages, args.clip_low, args.clip_high)
-                    per_token_loss = pg_loss
-                    if ref_model is not None:
-                        # The KL to the reference enters the loss (not the reward), by the k3 estimator.
-                        kl_ref = common.kl_estimate(new_logp, b_ref_logp[mb], "k3")
-                        if args.bias_corrected_kl:  # k3 * ratio: an unbiased KL gradient under samples of the old policy
-                            kl_ref = kl_ref * torch.exp(logratio)
-                        per_token_loss = pg_loss + args.beta * kl_ref
-                    loss = common.aggregate_loss(per_token_loss, mb_mask, args.loss_agg, N, num_tokens, args.max_new_tokens)
-                    dump["old_logp"].append(old_logp)
-                    dump["new_logp"].append(new_logp.detach())
-                    dump["per_token_loss"].append(per_token_loss.detach() * mb_mask)
-                    dump["loss"] += loss.item()
-                    bookkeeping.check_finite(step, "loss", loss.detach(), run_dir, dump)
+                    old_logp = b_old_logp[micro] if b_old_logp is not None else new_logp.detach()
+                    ref_logp = b_ref_logp[micro] if b_ref_logp is not None else None
+                    loss, terms = grpo_loss(
+                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], N, num_tokens, args)
                     loss.backward()
-
-                    weight = int(mb_mask.sum()) / max(num_tokens, 1) / args.num_iterations  # mean over all updates, as in ppo.py
-                    with torch.no_grad():
-                        stats["policy_loss"] += common.masked_mean(pg_loss, mb_mask).item() * weight
-                        if ref_model is not None:
-                            stats["kl_ref"] += common.masked_mean(kl_ref, mb_mask).item() * weight
-                        stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
-                        stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
-                        stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
+                    updates[-1].append(dict(terms, entropy=entropy))
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                bookkeeping.check_finite(step, "gradient", grad_norm, run_dir, dump)
+                dump = checkpoints.batch_dump(rollout, updates[-1], DUMPED)  # the last iteration's is written
+                checkpoints.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], grad_norm)
                 optimizer.step()
         if args.dump_dir:
-            bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+            checkpoints.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += int(b_attention_mask.sum())
@@ -267,15 +299,13 @@ def main(args):
         history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
         history["length"].append(lengths.mean().item())
-        writer.add_scalar("charts/reward", score_mean, step)
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
-        for key, value in stats.items():
-            if key != "kl_ref" or ref_model is not None:
-                writer.add_scalar(f"losses/{key}", value, step)
+        for key, value in bookkeeping.logged_losses(updates, args).items():
+            writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
@@ -288,17 +318,17 @@ def main(args):
             for key, value in metrics.items():
                 writer.add_scalar(key, value, step)
         if stop.name or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(step)
+            checkpoints.save_checkpoint(checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
+                                        step, optimizer, scheduler, sampler, history=history)
         if stop.name:
-            writer.close()
-            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {bookkeeping.resume_command('grpo', checkpoint_dir)}")
+            stop.exit(step, writer, "grpo", checkpoint_dir)
 
     final_dir = os.path.join(run_dir, "final")
-    bookkeeping.save_model(policy, tokenizer, final_dir)
+    checkpoints.save_model(policy, tokenizer, final_dir)
     writer.close()
     bookkeeping.print_summary("grpo", history, time.time() - start_time, device, final_dir)
     return history["score"]
 
 
 if __name__ == "__main__":
-    bookkeeping.run_main(lambda: main(tyro.cli(Args)))
+    bookkeeping.run_main(lambda: main(*bookkeeping.parse_args(Args, HUB_DEFAULTS)))

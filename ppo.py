@@ -7,7 +7,7 @@ KL penalty to a frozen reference; advantages come from GAE over the critic's val
 the PPO-clip surrogate plus a clipped value loss, for several epochs over minibatches.
 
     python ppo.py                                                    # tiny model, copy task, CPU, ~1.5 min
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets its own preset
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets HUB_DEFAULTS
     python ppo.py --target-kl 0.1                                    # adaptive KL coefficient
 
 Where this departs from the papers:
@@ -16,6 +16,8 @@ Where this departs from the papers:
   2. Advantages are whitened over real tokens only; returns use the unwhitened advantages.
   3. The log-probs use logits divided by the sampling temperature, the distribution that sampled.
   4. Weights stay float32 under bf16 autocast on GPU, so small learning rates are not rounded away.
+  5. The default run's KL penalty is an entropy bonus towards the random tiny model's near-uniform reference,
+     and its missing-EOS penalty (0.3; none in HUB_DEFAULTS) teaches it to stop: without them it stays near 0.4.
 """
 
 import os
@@ -24,44 +26,46 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import bookkeeping
+import checkpoints
 import common
-from common import UsageError
-from tasks import PromptSampler, RewardModel, load_task
+import models
+from errors import UsageError
+from tasks import load_task
 
 
 @dataclass
 class Args(bookkeeping.RunArgs):
-    """PPO with a critic (see the top of ppo.py). The first flags, for data, precision, checkpoints and logs, are shared with grpo.py."""
+    """PPO with a critic (see the top of ppo.py); the first flags (data, precision, checkpoints, logs) are shared
+    with grpo.py. The defaults are the built-in tiny model's; on any other model, HUB_DEFAULTS replace some."""
 
     exp_name: str = "ppo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
-    model: str = common.TINY_MODEL
+    model: str = models.TINY_MODEL
     """hub id or local folder of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     critic_model: Optional[str] = None
     """hub id or local folder the critic's backbone starts from (default: the policy's weights)"""
     task: str = "copy"
     """task to train on (see tasks.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
-    """which column of PRESETS fills the unset fields: `tiny` for the tiny model, `hub` for any other"""
-    num_steps: Optional[int] = None
+    """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
+    num_steps: int = 250
     """training steps; each samples prompts_per_step * samples_per_prompt completions"""
-    prompts_per_step: Optional[int] = None
+    prompts_per_step: int = 64
     """distinct prompts per step"""
     samples_per_prompt: int = 1
     """completions per prompt (PPO needs no group: the critic provides the baseline)"""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int = 5
     """longest completion, in tokens"""
     temperature: float = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
-    learning_rate: Optional[float] = None
+    learning_rate: float = 3e-4
     """AdamW learning rate of the policy"""
-    critic_learning_rate: Optional[float] = None
+    critic_learning_rate: float = 3e-4
     """AdamW learning rate of the critic"""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled), on every weight of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
@@ -69,15 +73,15 @@ class Args(bookkeeping.RunArgs):
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
     """gradients of each model are clipped to this global norm"""
-    update_epochs: Optional[int] = None
+    update_epochs: int = 2
     """passes over each batch"""
-    num_minibatches: Optional[int] = None
+    num_minibatches: int = 2
     """optimizer steps per epoch; must divide the batch"""
     clip_low: float = 0.2
     """the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
     """the ratio is clipped above at 1 + clip_high"""
-    kl_coef: Optional[float] = None
+    kl_coef: float = 0.02
     """coefficient of the per-token KL penalty in the reward; 0 (and no target_kl) loads no reference"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the per-token KL penalty (Schulman's k1, k2, k3)"""
@@ -85,7 +89,7 @@ class Args(bookkeeping.RunArgs):
     """when set, adapt kl_coef so the summed KL per completion tracks this value (Ziegler et al. 2019)"""
     kl_horizon: int = 10000
     """horizon of the adaptive KL controller, in completions"""
-    missing_eos_penalty: Optional[float] = None
+    missing_eos_penalty: float = 0.3
     """subtracted from the score of completions that never emitted EOS"""
     gamma: float = 1.0
     """discount factor of GAE"""
@@ -95,32 +99,23 @@ class Args(bookkeeping.RunArgs):
     """weight of the value loss"""
     cliprange_value: float = 0.2
     """the new value is kept within this distance of the rollout value in the clipped value loss"""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: int = 128
     """completions per forward/backward pass; the gradient is that of the whole minibatch"""
 
 
-# Defaults for the fields left unset. A real model must never get the tiny model's learning rate.
-# The tiny model starts from random weights: the k1 penalty to its near-uniform reference works as an
-# entropy bonus, and the missing-EOS penalty teaches it to stop; without them it settles near 0.4.
-PRESETS = {
-    "tiny": dict(num_steps=250, prompts_per_step=64, max_new_tokens=5, learning_rate=3e-4, critic_learning_rate=3e-4,
-                 update_epochs=2, num_minibatches=2, kl_coef=0.02, missing_eos_penalty=0.3, micro_batch_size=128),
-    "hub": dict(num_steps=500, prompts_per_step=64, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
-                update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8),
-}  # fmt: skip
+# On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
+# learning rate); a flag given on the command line wins. Printed at start.
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
+                    update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8)
+DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "per_token_loss")  # the first micro-batch's
 
 
 def check_args(args):
+    bookkeeping.check_positive(args, "prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps",
+                               "update_epochs", "num_minibatches", "micro_batch_size")  # fmt: skip
     batch_size = args.prompts_per_step * args.samples_per_prompt
-    for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps", "update_epochs", "num_minibatches", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
     if batch_size % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} completions: pick a divisor")
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
-    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
-        raise UsageError(f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         raise UsageError(f"--gamma {args.gamma} --lam {args.lam}: both must be in [0, 1]")
     if args.vf_coef < 0 or args.cliprange_value <= 0 or args.kl_coef < 0 or args.missing_eos_penalty < 0:
@@ -129,9 +124,7 @@ def check_args(args):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.learning_rate <= 0 or args.critic_learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
         raise UsageError("--learning-rate, --critic-learning-rate and --max-grad-norm must be > 0, --warmup-steps >= 0")
-    for name in ("eval_every", "save_every", "sample_every"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
+    bookkeeping.check_run_args(args)
 
 
 class Critic(torch.nn.Module):
@@ -157,28 +150,14 @@ class Critic(torch.nn.Module):
 
     def save_pretrained(self, folder):
         """The backbone as a transformers folder (AutoModel reloads it), the head beside it."""
-        from safetensors.torch import save_file
-
         self.backbone.save_pretrained(folder)
-        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, os.path.join(folder, VALUE_HEAD))
-
-
-VALUE_HEAD = "value_head.safetensors"
+        models.save_head(self.value_head, folder)
 
 
 def load_critic(name, device):
     """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModel
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # loaded from a causal LM, the load report lists the unused LM head: expected
-    critic = Critic(common.load_pretrained(AutoModel, name, device))
-    logging.set_verbosity(verbosity)
-    head = os.path.join(common.resolve_model_path(name), VALUE_HEAD)
-    if os.path.isfile(head):
-        critic.value_head.load_state_dict(load_file(head, device=str(device)))
+    critic = Critic(models.load_backbone(name, device))
+    models.load_head(critic.value_head, name, device)
     return critic
 
 
@@ -198,6 +177,24 @@ def score_at_last_token(scores, mask):
     last = T - 1 - mask.flip(1).argmax(1)  # [B]
     placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
     return placed.scatter(1, last[:, None], scores[:, None]) * mask
+
+
+def kl_estimate(logp, ref_logp, kind):
+    """Per-token estimate of KL(policy || ref) from the log-probs of tokens sampled from the policy.
+
+    With log r = ref_logp - logp (Schulman 2020, "Approximating KL Divergence"):
+      k1 = -log r                 unbiased, can be negative per token
+      k2 = (log r)^2 / 2          biased, always >= 0
+      k3 = (r - 1) - log r        unbiased, always >= 0 (the one GRPO puts in its loss)
+    """
+    log_r = ref_logp - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.exp(log_r) - 1 - log_r
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', not {kind!r}")
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -224,6 +221,35 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, (advantages + values) * mask
 
 
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only.
+
+    With shift_mean=False the mean is added back, so only the scale changes (used for rewards).
+    Masked positions come back as 0, so padding can never leak into a later sum. Source: the
+    `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    """
+    mean = common.masked_mean(x, mask)
+    var = common.masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
+    """Per-token PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), a loss to minimise:
+
+      ratio_t = exp(logp_t - old_logp_t)
+      loss_t  = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+
+    A_t is the token's own advantage [n, T], from GAE over the critic's values: the credit differs per token.
+    """
+    ratio = torch.exp(logratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.max(pg_loss1, pg_loss2)
+
+
 def clipped_value_loss(values, old_values, returns, cliprange_value):
     """Per-token clipped value loss (the PPO2 baselines / Ziegler et al. 2019 form):
 
@@ -234,12 +260,24 @@ def clipped_value_loss(values, old_values, returns, cliprange_value):
     return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, <= 0 a useless one."""
-    residual = returns - values
-    var_residual = common.masked_mean((residual - common.masked_mean(residual, mask)) ** 2, mask)
-    var_returns = common.masked_mean((returns - common.masked_mean(returns, mask)) ** 2, mask)
-    return 1 - var_residual / var_returns.clamp(min=1e-8)
+def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args):
+    """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9 without the entropy term), as its share of
+    its minibatch's loss:
+
+      L_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high)) + vf_coef * value_loss_t
+      loss = sum of L_t over real tokens / the minibatch's real tokens (each token of the minibatch weighs the same)
+
+    new_logp and new_values [n, T] carry the gradients; old_logp, advantages, old_values, returns [n, T] do not.
+    Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    """
+    logratio = new_logp - old_logp  # [n, T]
+    pg_loss = clipped_policy_loss(logratio, advantages, args.clip_low, args.clip_high)  # [n, T]
+    v_loss = clipped_value_loss(new_values, old_values, returns, args.cliprange_value)  # [n, T]
+    per_token_loss = (pg_loss + args.vf_coef * v_loss) * mask  # [n, T], 0 on padding
+    loss = per_token_loss.sum() / max(minibatch_tokens, 1)
+    terms = dict(new_logp=new_logp, new_values=new_values, old_values=old_values, advantages=advantages, mask=mask,
+                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, per_token_loss=per_token_loss, loss=loss)
+    return loss, {key: value.detach() for key, value in terms.items()}
 
 
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
@@ -251,55 +289,51 @@ def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
     return kl_coef * (1 + error * n_completions / horizon)
 
 
-def main(args):
-    preset = bookkeeping.apply_preset(args, PRESETS)
+def main(args, flags_given=()):
+    preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
     check_args(args)
-    common.check_model_names(args, ["model", "critic_model", "reward_model"])
+    models.check_model_names(args, ["model", "critic_model", "reward_model"])
     task = load_task(args.task)
-    device = common.pick_device()
-    dtype = common.resolve_dtype(args.dtype, device)
-    resume = bookkeeping.load_checkpoint(args.resume, "ppo", args) if args.resume else None
-    run_dir = os.path.dirname(os.path.abspath(args.resume)) if resume else os.path.join(args.output_dir, bookkeeping.run_name(args))
-    bookkeeping.print_settings(args, f"preset {preset}, run {run_dir}")
+    device = models.pick_device()
+    dtype = models.resolve_dtype(args.dtype, device)
+    state = checkpoints.load_checkpoint(args.resume, "ppo", args) if args.resume else None  # checked first
+    run_dir = bookkeeping.run_dir(args)
+    bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     bookkeeping.seed_everything(args.seed, args.deterministic)
     start_time = time.time()
-    policy_path = os.path.join(args.resume, "policy") if resume else args.model
-    tokenizer = common.load_tokenizer(policy_path)
-    policy = common.load_causal_lm(policy_path, device)  # float32 master weights, autocast to dtype
+    tokenizer = models.load_tokenizer(args.model)
+    policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
-    critic = load_critic(os.path.join(args.resume, "critic") if resume else args.critic_model or args.model, device)
+    critic = load_critic(args.critic_model or args.model, device)
     if args.gradient_checkpointing:
         for model in (policy, critic.backbone):
             common.set_activation_checkpointing(model, True)
     # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded. It is
     # held like the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
-    ref_model = common.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
-    scorer = RewardModel(args.reward_model, device, dtype) if args.reward_model else task
-    common.check_vocabulary(tokenizer, task, args.model)
-    common.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
-    eos_ids = common.eos_token_ids(policy, tokenizer)
+    ref_model = models.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
+    scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
+    models.check_vocabulary(tokenizer, task, args.model)
+    models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
+    eos_ids = models.eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(
         [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}],
         weight_decay=args.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
-    sampler = PromptSampler(task.train, args.seed)
-    first_step, history = bookkeeping.restore_state(resume, optimizer, scheduler, sampler, {"score": [], "length": [], "tokens": 0, "kl_coef": args.kl_coef})
-    writer = bookkeeping.make_writer(run_dir, args, purge_step=first_step)
-    if not resume:  # step 0 is logged once, so a resumed run's log is the uninterrupted run's
-        writer.add_scalar("charts/params_policy", common.count_parameters(policy), 0)
-        writer.add_scalar("charts/params_critic", common.count_parameters(critic), 0)
-        writer.add_scalar("charts/params_reference", common.count_parameters(ref_model) if ref_model else 0, 0)
+    sampler = common.PromptSampler(task.train, args.seed)
+    first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
+    if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
+        policy.load_state_dict(models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
+        critic.load_state_dict(load_critic(os.path.join(args.resume, "critic"), models.CPU).state_dict())
+        first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
+        kl_coef = state["kl_coef"]
+    writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
     if args.dump_dir:
-        bookkeeping.write_dump_metadata(args.dump_dir, "ppo", args)
+        checkpoints.write_dump_metadata(args.dump_dir, "ppo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    save_checkpoint = lambda step: bookkeeping.save_checkpoint(  # noqa: E731
-        checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
-        dict(step=step, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), sampler=sampler.state_dict(), history=history),
-    )  # fmt: skip
-    stop = bookkeeping.StopSignal()
+    stop = checkpoints.StopSignal()
     timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
@@ -320,76 +354,61 @@ def main(args):
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
             b_mask = completion_mask  # [N, T]
             N = len(prompts)
-            mb_slices = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
                 # Old log-probs, reference log-probs and values: computed once, before any update.
-                forward = lambda model, mb: common.token_logprobs(  # noqa: E731
-                    model, b_input_ids[mb], b_attention_mask[mb], b_mask[mb], args.temperature
-                )
-                b_old_logp = torch.cat([forward(policy, mb) for mb in mb_slices])
-                b_ref_logp = torch.cat([forward(ref_model, mb) for mb in mb_slices]) if ref_model else b_old_logp
-                b_values = torch.cat([token_values(critic, b_input_ids[mb], b_attention_mask[mb], b_mask[mb]) for mb in mb_slices])
+                forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
+                    model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature) for m in micro_batches])
+                b_old_logp = forward(policy)
+                b_ref_logp = forward(ref_model) if ref_model else b_old_logp
+                b_values = torch.cat([token_values(critic, b_input_ids[m], b_attention_mask[m], b_mask[m])
+                                      for m in micro_batches])  # fmt: skip
 
             # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the score at the last one.
             has_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=device)) & b_mask.bool()).any(1)
             penalised_scores = scores - args.missing_eos_penalty * (~has_eos).float()
-            kl = common.kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
-            b_rewards = -history["kl_coef"] * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
+            kl = kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
+            b_rewards = -kl_coef * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
             # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
             b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
-            b_advantages = common.masked_whiten(b_advantages, b_mask)
-            dump = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
-                        scores=scores, rewards=b_rewards, values=b_values, returns=b_returns, advantages=b_advantages,
-                        old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(history["kl_coef"]))  # fmt: skip
-            bookkeeping.check_finite(step, "reward", b_rewards, run_dir, dump)
+            b_advantages = masked_whiten(b_advantages, b_mask)
+            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                           completion_mask=b_mask, scores=scores, rewards=b_rewards, values=b_values,
+                           returns=b_returns, advantages=b_advantages, old_logp=b_old_logp, ref_logp=b_ref_logp,
+                           kl_coef=torch.tensor(kl_coef))  # fmt: skip
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
             policy.train()
             critic.train()
             minibatch_size = N // args.num_minibatches
-            stats = {k: 0.0 for k in ("policy_loss", "value_loss", "approx_kl", "clipfrac", "clipfrac_value", "entropy")}
+            updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for epoch in range(args.update_epochs):
-                perm = torch.randperm(N, device=device)
+                b_inds = torch.randperm(N, device=device)
                 for start in range(0, N, minibatch_size):
-                    mb_idx = perm[start : start + minibatch_size]
-                    mb_tokens = int(b_mask[mb_idx].sum())
+                    mb_inds = b_inds[start : start + minibatch_size]
+                    mb_tokens = int(b_mask[mb_inds].sum())
                     optimizer.zero_grad(set_to_none=True)
-                    for micro in range(0, minibatch_size, args.micro_batch_size):
-                        idx = mb_idx[micro : micro + args.micro_batch_size]
-                        mb_mask = b_mask[idx]
+                    updates.append([])
+                    for micro_start in range(0, minibatch_size, args.micro_batch_size):
+                        micro = mb_inds[micro_start : micro_start + args.micro_batch_size]
                         with common.autocast(device, dtype):
                             new_logp, entropy = common.token_logprobs(
-                                policy, b_input_ids[idx], b_attention_mask[idx], mb_mask, args.temperature, return_entropy=True
+                                policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
+                                return_entropy=True,
                             )  # [n, T]
-                            new_values = token_values(critic, b_input_ids[idx], b_attention_mask[idx], mb_mask)  # [n, T]
-                        logratio = new_logp - b_old_logp[idx]
-                        mb_advantages = b_advantages[idx]  # [n, T]: one advantage per token
-                        pg_loss = common.clipped_policy_loss(logratio, mb_advantages, args.clip_low, args.clip_high)
-                        v_loss = clipped_value_loss(new_values, b_values[idx], b_returns[idx], args.cliprange_value)
-                        per_token_loss = pg_loss + args.vf_coef * v_loss
-                        loss = common.aggregate_loss(per_token_loss, mb_mask, "token-mean", len(mb_idx), mb_tokens, args.max_new_tokens)
-                        if epoch == 0 and start == 0 and micro == 0:
-                            dump.update(mb_index=idx, minibatch_index=mb_idx, new_logp=new_logp.detach(), new_values=new_values.detach(),
-                                        per_token_loss=per_token_loss.detach() * mb_mask, loss=loss.detach())  # fmt: skip
-                        bookkeeping.check_finite(step, "loss", loss.detach(), run_dir, dump)
+                            new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
+                        loss, terms = ppo_loss(new_logp, b_old_logp[micro], b_advantages[micro], new_values,
+                                               b_values[micro], b_returns[micro], b_mask[micro], mb_tokens, args)
                         loss.backward()
-
-                        weight = int(mb_mask.sum()) / max(mb_tokens, 1) / (args.update_epochs * args.num_minibatches)
-                        with torch.no_grad():
-                            stats["policy_loss"] += common.masked_mean(pg_loss, mb_mask).item() * weight
-                            stats["value_loss"] += common.masked_mean(v_loss, mb_mask).item() * weight
-                            stats["approx_kl"] += common.approx_kl(logratio, mb_mask).item() * weight
-                            stats["clipfrac"] += common.clip_fraction(logratio, mb_advantages, args.clip_low, args.clip_high, mb_mask).item() * weight
-                            v_clipped = (new_values - b_values[idx]).abs() > args.cliprange_value
-                            stats["clipfrac_value"] += common.masked_mean(v_clipped.float(), mb_mask).item() * weight
-                            stats["entropy"] += common.masked_mean(entropy, mb_mask).item() * weight
+                        updates[-1].append(dict(terms, entropy=entropy, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    bookkeeping.check_finite(step, "gradient", grad_norm + critic_grad_norm, run_dir, dump)
+                    dump = checkpoints.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
+                    checkpoints.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
                     optimizer.step()
         if args.dump_dir:
-            bookkeeping.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+            checkpoints.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += int(b_attention_mask.sum())
@@ -403,12 +422,13 @@ def main(args):
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
-        writer.add_scalar("charts/kl_coef", history["kl_coef"], step)
-        for key, value in stats.items():
+        writer.add_scalar("charts/kl_coef", kl_coef, step)
+        for key, value in bookkeeping.logged_losses(updates, args).items():
             writer.add_scalar(f"losses/{key}", value, step)
         if ref_model is not None:
             writer.add_scalar("losses/kl_ref", common.masked_mean(kl, b_mask).item(), step)
-        writer.add_scalar("losses/explained_variance", explained_variance(b_values, b_returns, b_mask).item(), step)
+        explained_variance = common.explained_variance(b_values, b_returns, b_mask).item()
+        writer.add_scalar("losses/explained_variance", explained_variance, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
@@ -421,20 +441,20 @@ def main(args):
             for key, value in metrics.items():
                 writer.add_scalar(key, value, step)
         if args.target_kl is not None:
-            history["kl_coef"] = adaptive_kl_coef(history["kl_coef"], kl.sum(1).mean().item(), args.target_kl, N, args.kl_horizon)
+            kl_coef = adaptive_kl_coef(kl_coef, kl.sum(1).mean().item(), args.target_kl, N, args.kl_horizon)
         if stop.name or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(step)
+            checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
+                                        step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
         if stop.name:
-            writer.close()
-            raise SystemExit(f"stopped by {stop.name} after step {step}; resume with: {bookkeeping.resume_command('ppo', checkpoint_dir)}")
+            stop.exit(step, writer, "ppo", checkpoint_dir)
 
     final_dir = os.path.join(run_dir, "final")
-    bookkeeping.save_model(policy, tokenizer, final_dir)
-    bookkeeping.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
+    checkpoints.save_model(policy, tokenizer, final_dir)
+    checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
     writer.close()
     bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)
     return history["score"]
 
 
 if __name__ == "__main__":
-    bookkeeping.run_main(lambda: main(tyro.cli(Args)))
+    bookkeeping.run_main(lambda: main(*bookkeeping.parse_args(Args, HUB_DEFAULTS)))

@@ -32,16 +32,16 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    import common
+    import models
 
-    return common.load_tokenizer(common.TINY_MODEL)
+    return models.load_tokenizer(models.TINY_MODEL)
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    import common
+    import models
 
-    return common.load_causal_lm(common.TINY_MODEL, torch.device("cpu")).eval()
+    return models.load_causal_lm(models.TINY_MODEL, torch.device("cpu")).eval()
 
 
 def make_small_model(kind="qwen2", seed=0, **overrides):

@@ -11,7 +11,7 @@ embeddings tied or not as the architecture's config does by default) on a batch 
    (test_positions_must_be_passed), so the positions must be passed, as generate() computes them.
 2. ppo.load_critic builds from the saved causal LM (no tokenizer needed) with the LM's backbone weights; its values
    start at 0 and, with a random head, are the head on the hidden state before each token, row by row.
-3. common.load_causal_lm reloads the saved folder with the same log-probs.
+3. models.load_causal_lm reloads the saved folder with the same log-probs.
 4. In train mode (as the update loop runs it) the reloaded model gives the same log-probs (dropout is off: GPT-2's
    config has 0.1) and every parameter gets a finite gradient.
 The distinctive logit transforms are on with values far from 1: Granite's logits_scaling, Cohere's logit_scale,
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
+import models
 import ppo
 
 CPU = torch.device("cpu")
@@ -200,7 +201,7 @@ def test_critic_values_match_each_row_alone(arch):
 def test_reloaded_model_gives_the_same_logprobs(arch):
     _, model, folder = arch
     input_ids, attention_mask, completion_mask = ragged_batch()
-    reloaded = common.load_causal_lm(folder, CPU).eval()
+    reloaded = models.load_causal_lm(folder, CPU).eval()
     logp = common.token_logprobs(reloaded, input_ids, attention_mask, completion_mask, TEMPERATURE)
     expected = common.token_logprobs(model, input_ids, attention_mask, completion_mask, TEMPERATURE)
     torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
@@ -209,7 +210,7 @@ def test_reloaded_model_gives_the_same_logprobs(arch):
 def test_gradient_reaches_every_parameter(arch):
     _, model, folder = arch
     input_ids, attention_mask, completion_mask = ragged_batch()
-    policy = common.load_causal_lm(folder, CPU).train()  # as the update loop runs it
+    policy = models.load_causal_lm(folder, CPU).train()  # as the update loop runs it
     with torch.enable_grad():
         logp = common.token_logprobs(policy, input_ids, attention_mask, completion_mask, TEMPERATURE)
         logp.sum().backward()

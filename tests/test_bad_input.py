@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-import common
+import errors
 import grpo
+import models
 import ppo
 from tasks import Task
 
@@ -136,12 +137,12 @@ def test_bad_input_gets_a_one_line_error(script, flags, expected, inputs, tmp_pa
 def test_a_prompt_that_just_fits_is_accepted(tiny_tokenizer, tiny_model):
     """The length check's boundary: prompt + max_new_tokens == max_position_embeddings (256) is fine, one more is not."""
     task = Task("fits", [{"prompt": "1" * 200, "answer": "1"}], [{"prompt": "2" * 100, "answer": "2"}], None)
-    common.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 56, chat_template=True)
-    with pytest.raises(common.UsageError, match="is 200 tokens .*lower --max-new-tokens to 56"):
-        common.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 57, chat_template=True)
+    models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 56, chat_template=True)
+    with pytest.raises(errors.UsageError, match="is 200 tokens .*lower --max-new-tokens to 56"):
+        models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 57, chat_template=True)
     long_test = Task("long-test", task.train[:1], [{"prompt": "3" * 300, "answer": "3"}], None)  # eval reads the test split
-    with pytest.raises(common.UsageError, match="is 300 tokens .*: shorten the prompts$"):
-        common.check_prompt_length(tiny_tokenizer, long_test, tiny_model, "tiny", 1, chat_template=True)
+    with pytest.raises(errors.UsageError, match="is 300 tokens .*: shorten the prompts$"):
+        models.check_prompt_length(tiny_tokenizer, long_test, tiny_model, "tiny", 1, chat_template=True)
 
 
 def test_every_case_is_distinct():

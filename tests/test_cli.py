@@ -1,9 +1,15 @@
-"""Bad Args are refused before anything heavy is loaded (the subprocess table of bad input is in test_bad_input.py)."""
+"""Bad Args are refused before anything heavy is loaded (the subprocess table of bad input is in test_bad_input.py);
+the hub defaults replace only the fields left at their default."""
+
+import sys
 
 import pytest
 
-import common
+import bookkeeping
+import errors
 import grpo
+import models
+import ppo
 
 
 @pytest.mark.parametrize(
@@ -13,6 +19,22 @@ import grpo
 )  # fmt: skip
 def test_other_bad_args_are_usage_errors(field, value, tmp_path, monkeypatch):
     """The same checks in-process (no subprocess start-up), and none of them loads a model first."""
-    monkeypatch.setattr(common, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking Args"))
-    with pytest.raises(common.UsageError, match=field.replace("_", "-")):
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking Args"))
+    with pytest.raises(errors.UsageError, match=field.replace("_", "-")):
         grpo.main(grpo.Args(output_dir=str(tmp_path), **{field: value}))
+
+
+@pytest.mark.parametrize("module", [grpo, ppo])
+def test_hub_defaults_replace_only_the_fields_left_at_their_default(module, monkeypatch):
+    """Args declares the tiny model's defaults; on another model HUB_DEFAULTS replace them, never a value set in
+    Python or on the command line (even one equal to the tiny default)."""
+    assert all(getattr(module.Args(), key) is not None for key in module.HUB_DEFAULTS)  # defaults in sight
+    args = module.Args(model="org/model", learning_rate=1e-3)
+    assert bookkeeping.apply_hub_defaults(args, module.HUB_DEFAULTS) == "hub"
+    assert args.learning_rate == 1e-3 and args.max_new_tokens == module.HUB_DEFAULTS["max_new_tokens"]
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", "--model", "org/model", "--micro-batch-size=128"])
+    args, given = bookkeeping.parse_args(module.Args, module.HUB_DEFAULTS)
+    bookkeeping.apply_hub_defaults(args, module.HUB_DEFAULTS, given)
+    assert args.micro_batch_size == 128 and args.num_steps == module.HUB_DEFAULTS["num_steps"]
+    tiny = module.Args(learning_rate=1e-3)
+    assert bookkeeping.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps

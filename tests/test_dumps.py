@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
+import models
 import ppo
 from tasks import load_task
 
@@ -33,7 +34,7 @@ def full_ids(d):
 
 def check_scores(d, scores):
     """The copy task's score of each stored completion, from the decoded ids: "123=" -> "123" scores 1."""
-    tokenizer = common.load_tokenizer(common.TINY_MODEL)
+    tokenizer = models.load_tokenizer(models.TINY_MODEL)
     prompts = tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True)
     completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id])
     expected = load_task("copy").score(prompts, completions, [p.removesuffix("=") for p in prompts])
@@ -41,7 +42,7 @@ def check_scores(d, scores):
 
 
 def logprobs_of(model_path, d, temperature, rows=slice(None)):
-    model = common.load_causal_lm(model_path, torch.device("cpu"))
+    model = models.load_causal_lm(model_path, torch.device("cpu"))
     input_ids, attention_mask = full_ids(d)
     with torch.no_grad():
         return common.token_logprobs(model, input_ids[rows], attention_mask[rows], d["completion_mask"][rows], temperature)
@@ -77,20 +78,20 @@ def test_grpo_dump_recomputes(variant, tmp_path):
         logratio = d["new_logp"] - d["old_logp"]
         if a["importance_level"] == "sequence":
             logratio = common.masked_mean(logratio, mask, dim=1)[:, None].expand_as(logratio)
-        per_token_loss = common.clipped_policy_loss(logratio, advantages[:, None], a["clip_low"], a["clip_high"])
+        per_token_loss = grpo.clipped_policy_loss(logratio, advantages[:, None], a["clip_low"], a["clip_high"])
         if a["beta"] > 0:
-            per_token_loss = per_token_loss + a["beta"] * common.kl_estimate(d["new_logp"], d["ref_logp"], "k3")
+            per_token_loss = per_token_loss + a["beta"] * ppo.kl_estimate(d["new_logp"], d["ref_logp"], "k3")
         else:
             assert "ref_logp" not in d
         close(d["per_token_loss"], per_token_loss * mask)
-        loss = common.aggregate_loss(per_token_loss, mask, a["loss_agg"], N, int(mask.sum()), a["max_new_tokens"])
+        loss = grpo.aggregate_loss(per_token_loss, mask, a["loss_agg"], N, int(mask.sum()), a["max_new_tokens"])
         close(d["loss"], loss)
         if a["num_iterations"] == 1:
             assert torch.equal(d["old_logp"], d["new_logp"])  # the ratio is 1: old is the current policy
 
     # Step 1 sampled from the initial model, which is also the reference.
     meta, d = read_dump(dump_dir, 1)
-    initial = logprobs_of(common.TINY_MODEL, d, meta["args"]["temperature"])
+    initial = logprobs_of(models.TINY_MODEL, d, meta["args"]["temperature"])
     close(d["old_logp"], initial)
     if meta["args"]["num_iterations"] == 1:
         close(d["new_logp"], initial)
@@ -104,7 +105,7 @@ def test_grpo_dump_of_a_changed_model_is_not_the_initial_one(tmp_path):
     fields = dict(seed=3, num_steps=2, prompts_per_step=3, group_size=4, max_new_tokens=4, sample_every=0, learning_rate=1e-2)
     grpo.main(grpo.Args(**fields, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir))
     meta, d = read_dump(dump_dir, 2)
-    initial = logprobs_of(common.TINY_MODEL, d, meta["args"]["temperature"])
+    initial = logprobs_of(models.TINY_MODEL, d, meta["args"]["temperature"])
     assert (d["new_logp"] - initial).abs().max() > 1e-3
 
 
@@ -124,23 +125,23 @@ def check_ppo_dump(meta, d, eos_ids):
 
     has_eos = (torch.isin(d["completion_ids"], torch.tensor(eos_ids)) & mask.bool()).any(1)
     penalised = d["scores"] - a["missing_eos_penalty"] * (~has_eos).float()
-    kl = common.kl_estimate(d["old_logp"], d["ref_logp"], a["kl_estimator"]) * mask
+    kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], a["kl_estimator"]) * mask
     rewards = -d["kl_coef"] * kl + ppo.score_at_last_token(penalised, mask)
     close(d["rewards"], rewards)
     advantages, returns = ppo.compute_gae(rewards, d["values"], mask, a["gamma"], a["lam"])
     close(d["returns"], returns)
-    advantages = common.masked_whiten(advantages, mask)
+    advantages = ppo.masked_whiten(advantages, mask)
     close(d["advantages"], advantages)
 
-    # The first micro-batch (rows mb_index) of the first minibatch (rows minibatch_index) of the first epoch.
-    idx, minibatch = d["mb_index"], d["minibatch_index"]
+    # The first micro-batch (rows micro_index) of the first minibatch (rows minibatch_index) of the first epoch.
+    idx, minibatch = d["micro_index"], d["minibatch_index"]
     assert set(idx.tolist()) <= set(minibatch.tolist()) and len(idx) == min(a["micro_batch_size"], len(minibatch))
     mb_mask = mask[idx]
-    pg_loss = common.clipped_policy_loss(d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"])
+    pg_loss = ppo.clipped_policy_loss(d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"])
     v_loss = ppo.clipped_value_loss(d["new_values"], d["values"][idx], returns[idx], a["cliprange_value"])
     per_token_loss = pg_loss + a["vf_coef"] * v_loss
     close(d["per_token_loss"], per_token_loss * mb_mask)
-    loss = common.aggregate_loss(
+    loss = grpo.aggregate_loss(
         per_token_loss, mb_mask, "token-mean", len(minibatch), int(mask[minibatch].sum()), a["max_new_tokens"]
     )
     close(d["loss"], loss)
@@ -158,8 +159,8 @@ def test_ppo_dump_recomputes(variant, tmp_path):
     ppo.main(ppo.Args(num_steps=1, save_every=1, **fields))
     (checkpoint,) = glob.glob(str(tmp_path / "runs" / "*" / "checkpoint"))
     ppo.main(ppo.Args(num_steps=2, resume=checkpoint, **fields))  # save_every 0: the step-1 checkpoint stays
-    tokenizer = common.load_tokenizer(common.TINY_MODEL)
-    eos_ids = common.eos_token_ids(common.load_causal_lm(common.TINY_MODEL, torch.device("cpu")), tokenizer)
+    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    eos_ids = models.eos_token_ids(models.load_causal_lm(models.TINY_MODEL, torch.device("cpu")), tokenizer)
 
     for step in (1, 2):
         meta, d = read_dump(dump_dir, step)
@@ -169,12 +170,12 @@ def test_ppo_dump_recomputes(variant, tmp_path):
 
     meta, d = read_dump(dump_dir, 1)
     temperature = meta["args"]["temperature"]
-    close(d["old_logp"], logprobs_of(common.TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
+    close(d["old_logp"], logprobs_of(models.TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
 
     meta, d = read_dump(dump_dir, 2)
     close(d["old_logp"], logprobs_of(os.path.join(checkpoint, "policy"), d, temperature))
     if meta["args"]["kl_coef"] > 0:
-        close(d["ref_logp"], logprobs_of(common.TINY_MODEL, d, temperature))
+        close(d["ref_logp"], logprobs_of(models.TINY_MODEL, d, temperature))
     else:
         assert torch.equal(d["ref_logp"], d["old_logp"])  # no reference: the penalty is 0
     critic = ppo.load_critic(os.path.join(checkpoint, "critic"), torch.device("cpu"))

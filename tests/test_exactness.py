@@ -6,13 +6,15 @@ one BOS for the reward model, what the reward sees of a completion, float16, wei
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers, processors
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config
 
 import common
+import errors
 import grpo
+import models
 import ppo
-import tasks
+import rewards
 from test_reproducibility import logged_scalars, only_run_dir
 
 CPU = torch.device("cpu")
@@ -36,7 +38,7 @@ def bos_tokenizer():
     """One token per character; the tokenizer adds <s> in front of every text, as Llama 3's and Gemma's do."""
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials + list("abcdefghijklmnopqrstuvwxyz0123456789 +=?[]:\n"))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
@@ -58,7 +60,7 @@ def test_the_reward_model_sees_one_bos(tmp_path):
     folder = str(tmp_path / "rm")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    scorer = tasks.RewardModel(folder, CPU, torch.float32)
+    scorer = models.RewardModel(folder, CPU, torch.float32)
     (score,) = scorer.score(["what is 2+2?"], ["4"], [""])
 
     text = "<s>[user] what is 2+2?\n[assistant] 4\n"
@@ -86,12 +88,12 @@ def test_the_reward_sees_every_token_but_the_first_eos_and_after(tiny_tokenizer)
     completion_mask = common.mask_after_eos(completion_ids, [eos])
     texts = common.decode_completions(t, completion_ids, completion_mask, [eos])
     assert texts == ["123", "1<pad>23", "123<unk><pad>", ""]
-    assert [tasks.copy_reward("123=", text, "123") for text in texts] == [1.0, pytest.approx(1 / 8), pytest.approx(3 / 13), 0.0]
+    assert [rewards.copy_reward("123=", text, "123") for text in texts] == [1.0, pytest.approx(1 / 8), pytest.approx(3 / 13), 0.0]
 
 
 def test_float16_is_refused_in_one_line():
-    with pytest.raises(common.UsageError, match="float16 would need loss scaling.*bfloat16"):
-        common.resolve_dtype("float16", CPU)
+    with pytest.raises(errors.UsageError, match="float16 would need loss scaling.*bfloat16"):
+        models.resolve_dtype("float16", CPU)
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
@@ -118,5 +120,5 @@ def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
     from transformers import T5Config, T5ForConditionalGeneration
 
     T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50)).save_pretrained(str(tmp_path / "t5"))
-    with pytest.raises(common.UsageError, match="is a t5 model, not a decoder-only causal LM"):
-        common.load_causal_lm(str(tmp_path / "t5"), CPU)
+    with pytest.raises(errors.UsageError, match="is a t5 model, not a decoder-only causal LM"):
+        models.load_causal_lm(str(tmp_path / "t5"), CPU)

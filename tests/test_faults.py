@@ -15,8 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 import bookkeeping
+import checkpoints
 import common
+import errors
 import grpo
+import models
 import ppo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,10 +85,10 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
 
 def test_resume_command_repeats_the_flags_but_not_the_old_resume(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--learning-rate", "1e-3", "--resume", "old/checkpoint", "--task", "jsonl:my data.jsonl"])
-    command = bookkeeping.resume_command("grpo", "runs/x/checkpoint")
+    command = checkpoints.resume_command("grpo", "runs/x/checkpoint")
     assert command == "python grpo.py --learning-rate 1e-3 --task 'jsonl:my data.jsonl' --resume runs/x/checkpoint"
     monkeypatch.setattr(sys, "argv", ["pytest", "-q"])  # main() called from Python: no flags to repeat
-    assert bookkeeping.resume_command("ppo", "c") == "python ppo.py --resume c"
+    assert checkpoints.resume_command("ppo", "c") == "python ppo.py --resume c"
 
 
 def quick_args(script, tmp_path, **overrides):
@@ -98,24 +101,24 @@ def quick_args(script, tmp_path, **overrides):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(script, tmp_path, monkeypatch):
     calls = []
-    clipped_policy_loss = common.clipped_policy_loss
+    clipped_policy_loss = SCRIPTS[script].clipped_policy_loss
 
     def nan_at_step_2(*args):
         calls.append(1)  # one call per step: one micro-batch, one iteration/epoch/minibatch
         loss = clipped_policy_loss(*args)
         return loss * float("nan") if len(calls) == 2 else loss
 
-    monkeypatch.setattr(common, "clipped_policy_loss", nan_at_step_2)
+    monkeypatch.setattr(SCRIPTS[script], "clipped_policy_loss", nan_at_step_2)
     args = quick_args(script, tmp_path, save_every=1)
-    with pytest.raises(common.UsageError, match="step 2: the loss is not finite") as error:
+    with pytest.raises(errors.UsageError, match="step 2: the loss is not finite") as error:
         SCRIPTS[script].main(args)
     monkeypatch.undo()
     (run_dir,) = glob.glob(os.path.join(tmp_path, "*"))
     checkpoint, dumped = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "nonfinite_step2.safetensors")
     assert checkpoint in str(error.value) and dumped in str(error.value)
 
-    assert bookkeeping.load_checkpoint(checkpoint, script, args)["step"] == 1
-    policy = common.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
+    assert checkpoints.load_checkpoint(checkpoint, script, args)["step"] == 1
+    policy = models.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
     assert all(torch.isfinite(p).all() for p in policy.parameters())
     batch = load_file(dumped)
     assert {"completion_ids", "advantages", "new_logp", "per_token_loss"} <= batch.keys()
@@ -130,7 +133,7 @@ def test_nan_reward_from_a_python_task_stops_the_run(tmp_path):
         "def reward(prompt, completion, answer):\n"
         '    return float("nan")\n'
     )
-    with pytest.raises(common.UsageError, match=r"returned nan .* it must return a finite number"):
+    with pytest.raises(errors.UsageError, match=r"returned nan .* it must return a finite number"):
         grpo.main(quick_args("grpo", tmp_path / "runs", task=f"python:{reward_file}:reward"))
 
 

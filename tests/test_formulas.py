@@ -1,4 +1,4 @@
-"""The reference formulas of common.py against hand-worked numbers or slow explicit loops."""
+"""The reference formulas (common.py, grpo.py, ppo.py) against hand-worked numbers or slow explicit loops."""
 
 import math
 
@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import common
+import grpo
+import ppo
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -20,19 +22,19 @@ def test_kl_estimate_matches_hand_formulas():
     k1 = [0.5, -1.0, 0.0]
     k2 = [0.125, 0.5, 0.0]
     k3 = [math.exp(x) - 1 - x for x in log_r]  # [0.10653, 0.71828, 0]
-    torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k1"), torch.tensor(k1))
-    torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k2"), torch.tensor(k2))
-    torch.testing.assert_close(common.kl_estimate(logp, ref_logp, "k3"), torch.tensor(k3))
+    torch.testing.assert_close(ppo.kl_estimate(logp, ref_logp, "k1"), torch.tensor(k1))
+    torch.testing.assert_close(ppo.kl_estimate(logp, ref_logp, "k2"), torch.tensor(k2))
+    torch.testing.assert_close(ppo.kl_estimate(logp, ref_logp, "k3"), torch.tensor(k3))
     with pytest.raises(ValueError, match="kind must be 'k1', 'k2' or 'k3', not 'k4'"):
-        common.kl_estimate(logp, ref_logp, "k4")
+        ppo.kl_estimate(logp, ref_logp, "k4")
 
 
 def test_k2_and_k3_are_never_negative():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(10_000, generator=g) * 5
     ref_logp = torch.randn(10_000, generator=g) * 5
-    assert (common.kl_estimate(logp, ref_logp, "k2") >= 0).all()
-    assert (common.kl_estimate(logp, ref_logp, "k3") >= 0).all()
+    assert (ppo.kl_estimate(logp, ref_logp, "k2") >= 0).all()
+    assert (ppo.kl_estimate(logp, ref_logp, "k3") >= 0).all()
 
 
 def test_k1_and_k3_are_unbiased_estimates_of_kl():
@@ -44,14 +46,14 @@ def test_k1_and_k3_are_unbiased_estimates_of_kl():
     g = torch.Generator().manual_seed(0)
     tokens = torch.multinomial(p, 200_000, replacement=True, generator=g)
     logp, ref_logp = p.log()[tokens], q.log()[tokens]
-    k1 = common.kl_estimate(logp, ref_logp, "k1")
-    k3 = common.kl_estimate(logp, ref_logp, "k3")
+    k1 = ppo.kl_estimate(logp, ref_logp, "k1")
+    k3 = ppo.kl_estimate(logp, ref_logp, "k3")
     for k in (k1, k3):
         std_error = (k.std() / math.sqrt(len(k))).item()  # about 0.002 for k1, 0.0006 for k3
         assert abs(k.mean().item() - exact) < 5 * std_error
     assert (k1 < 0).any()  # per token k1 can be negative (q > p there); only its mean is the KL
     # k2 is biased: its mean is E_p[(log q/p)^2 / 2] = 0.2686 here, far from the KL by many standard errors.
-    k2 = common.kl_estimate(logp, ref_logp, "k2")
+    k2 = ppo.kl_estimate(logp, ref_logp, "k2")
     k2_expectation = sum(pi * 0.5 * math.log(qi / pi) ** 2 for pi, qi in pairs)
     std_error = (k2.std() / math.sqrt(len(k2))).item()
     assert abs(k2.mean().item() - k2_expectation) < 5 * std_error
@@ -85,19 +87,19 @@ def test_masked_whiten_matches_a_loop_over_real_positions(shift_mean):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=g) * 3 + 2
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 0]])
-    torch.testing.assert_close(common.masked_whiten(x, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
+    torch.testing.assert_close(ppo.masked_whiten(x, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
     # Whatever sits at masked positions does not change the result.
     noisy = torch.where(mask.bool(), x, torch.full_like(x, 1e6))
-    torch.testing.assert_close(common.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
+    torch.testing.assert_close(ppo.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
 
 
 def test_masked_whiten_without_shift_keeps_the_mean():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 5, generator=g) * 4 + 7
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    out = common.masked_whiten(x, mask, shift_mean=False)
+    out = ppo.masked_whiten(x, mask, shift_mean=False)
     assert common.masked_mean(out, mask).item() == pytest.approx(common.masked_mean(x, mask).item(), abs=1e-5)
-    centred = common.masked_whiten(x, mask)
+    centred = ppo.masked_whiten(x, mask)
     assert common.masked_mean(centred, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert common.masked_mean(centred**2, mask).item() == pytest.approx(1.0, abs=1e-5)
 
@@ -126,7 +128,7 @@ def test_clipped_policy_loss_hand_values():
     #   A=+1, r=0.5: max(-0.5, -0.80) = -0.50  (unclipped)
     #   A=+2, r=1.1: inside the range: -2.2
     expected = torch.tensor([-1.28, 0.8, 1.5, -0.5, -2.2])
-    torch.testing.assert_close(common.clipped_policy_loss(ratio.log(), adv, 0.2, 0.28), expected)
+    torch.testing.assert_close(grpo.clipped_policy_loss(ratio.log(), adv, 0.2, 0.28), expected)
 
 
 @pytest.mark.parametrize("clip_low, clip_high", [(0.2, 0.2), (0.2, 0.28), (0.1, 0.5)])
@@ -135,7 +137,7 @@ def test_clipped_policy_loss_matches_a_loop(clip_low, clip_high):
     logratio = torch.randn(500, generator=g) * 0.5
     adv = torch.randn(500, generator=g)
     expected = slow_clipped_loss(logratio, adv, clip_low, clip_high)
-    torch.testing.assert_close(common.clipped_policy_loss(logratio, adv, clip_low, clip_high), expected)
+    torch.testing.assert_close(grpo.clipped_policy_loss(logratio, adv, clip_low, clip_high), expected)
 
 
 def test_clip_fraction_and_approx_kl_hand_values():
@@ -165,18 +167,18 @@ HAND = {
 }
 
 
-@pytest.mark.parametrize("agg", common.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGREGATIONS)
 def test_aggregate_loss_hand_values(agg):
-    assert common.aggregate_loss(LOSS, MASK, agg, 3, 4, 4).item() == pytest.approx(HAND[agg])
+    assert grpo.aggregate_loss(LOSS, MASK, agg, 3, 4, 4).item() == pytest.approx(HAND[agg])
     # With the whole-batch totals, the shares of two micro-batches add up to the same number.
-    first = common.aggregate_loss(LOSS[:1], MASK[:1], agg, 3, 4, 4)
-    rest = common.aggregate_loss(LOSS[1:], MASK[1:], agg, 3, 4, 4)
+    first = grpo.aggregate_loss(LOSS[:1], MASK[:1], agg, 3, 4, 4)
+    rest = grpo.aggregate_loss(LOSS[1:], MASK[1:], agg, 3, 4, 4)
     assert (first + rest).item() == pytest.approx(HAND[agg])
 
 
 def test_aggregate_loss_rejects_unknown_mode():
     with pytest.raises(ValueError, match=r"agg must be one of .*seq-mean-token-mean.*, not 'mean'"):
-        common.aggregate_loss(LOSS, MASK, "mean", 3, 4, 4)
+        grpo.aggregate_loss(LOSS, MASK, "mean", 3, 4, 4)
 
 
 # ---------------------------------------------------------------------------------------------------

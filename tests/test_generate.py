@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import models
 from conftest import make_small_model
 
 PROMPTS = ["12=", "3=", "456=", "7="] * 8
@@ -23,7 +24,7 @@ def first_eos_mask(completion_ids, eos_ids):
 
 
 def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer):
-    eos_ids = common.eos_token_ids(tiny_model, tiny_tokenizer)
+    eos_ids = models.eos_token_ids(tiny_model, tiny_tokenizer)
     torch.manual_seed(0)
     prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
         tiny_model, tiny_tokenizer, PROMPTS, 12, 1.0, eos_ids
@@ -38,7 +39,7 @@ def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer)
 def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.pad_token = tokenizer.eos_token
-    eos_ids = common.eos_token_ids(tiny_model, tokenizer)
+    eos_ids = models.eos_token_ids(tiny_model, tokenizer)
     assert tokenizer.pad_token_id in eos_ids
     torch.manual_seed(0)
     _, prompt_mask, completion_ids, completion_mask = common.generate(tiny_model, tokenizer, PROMPTS, 12, 1.0, eos_ids)
@@ -87,30 +88,30 @@ def test_samples_are_not_cut_to_the_top_k(tiny_tokenizer):
 
 
 def test_sampling_ignores_the_models_suppress_tokens(tiny_tokenizer):
-    model = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
     seven = tiny_tokenizer.convert_tokens_to_ids("7")
     model.generation_config.suppress_tokens = [i for i in range(len(tiny_tokenizer)) if i != seven]
     torch.manual_seed(0)
-    *_, completion_ids, _ = common.generate(model, tiny_tokenizer, PROMPTS, 5, 1.0, common.eos_token_ids(model, tiny_tokenizer))
+    *_, completion_ids, _ = common.generate(model, tiny_tokenizer, PROMPTS, 5, 1.0, models.eos_token_ids(model, tiny_tokenizer))
     assert (completion_ids != seven).any()  # 160 tokens all "7" from the model's own distribution: never
 
 
 def test_sampling_ignores_the_models_no_repeat_ngram_size(tiny_tokenizer):
-    model = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
     model.generation_config.no_repeat_ngram_size = 1  # would ban every token already in the row
     torch.manual_seed(0)
     prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-        model, tiny_tokenizer, PROMPTS, 8, 1.0, common.eos_token_ids(model, tiny_tokenizer)
+        model, tiny_tokenizer, PROMPTS, 8, 1.0, models.eos_token_ids(model, tiny_tokenizer)
     )
     rows = [p[pm.bool()].tolist() + c[cm.bool()].tolist() for p, pm, c, cm in zip(prompt_ids, prompt_mask, completion_ids, completion_mask)]
     assert any(len(set(row)) < len(row) for row in rows)  # 32 rows of up to 12 tokens from a vocabulary of 25
 
 
 def test_greedy_ignores_the_models_do_sample(tiny_tokenizer):
-    model = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
     model.generation_config.do_sample = True  # as in Qwen2.5-Instruct's generation_config.json
     torch.manual_seed(0)
     *_, completion_ids, _ = common.generate(
-        model, tiny_tokenizer, ["12="] * 8, 6, 1.0, common.eos_token_ids(model, tiny_tokenizer), greedy=True
+        model, tiny_tokenizer, ["12="] * 8, 6, 1.0, models.eos_token_ids(model, tiny_tokenizer), greedy=True
     )
     assert (completion_ids == completion_ids[0]).all()  # greedy: the same prompt gives the same completion

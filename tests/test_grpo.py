@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
+import models
 
 
 def slow_group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -59,8 +59,8 @@ def quick_args(tmp_path, **overrides):
 @pytest.mark.parametrize("beta, loads", [(0.0, 1), (0.1, 2)])
 def test_reference_model_is_loaded_only_when_beta_is_positive(tmp_path, monkeypatch, beta, loads):
     calls = []
-    load = common.load_pretrained  # every model load goes through it (load_causal_lm calls it)
-    monkeypatch.setattr(common, "load_pretrained", lambda *a, **k: calls.append(a) or load(*a, **k))
+    load = models.load_pretrained  # every model load goes through it (load_causal_lm calls it)
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: calls.append(a) or load(*a, **k))
     rewards = grpo.main(quick_args(tmp_path, beta=beta))
     assert len(calls) == loads
     assert len(rewards) == 2

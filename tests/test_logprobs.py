@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import common
+import grpo
+import ppo
 from conftest import make_small_model
 
 PAD = 0
@@ -149,7 +151,7 @@ def one_batch_reference_loss(per_token, mask, agg, max_new_tokens):
     return sum(sum(r) for r in rows) / (len(rows) * max_new_tokens)
 
 
-@pytest.mark.parametrize("agg", common.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGREGATIONS)
 def test_micro_batches_give_the_one_batch_gradient(agg):
     model = make_small_model()
     ref_model = make_small_model(seed=1)
@@ -165,9 +167,9 @@ def test_micro_batches_give_the_one_batch_gradient(agg):
     def loss_of(mb):
         new_logp = common.token_logprobs(model, input_ids[mb], attention_mask[mb], mask[mb], 1.0)
         logratio = new_logp - old_logp[mb]
-        pg_loss = common.clipped_policy_loss(logratio, advantages[mb, None], 0.2, 0.28)
-        per_token = pg_loss + beta * common.kl_estimate(new_logp, ref_logp[mb], "k3")
-        return common.aggregate_loss(per_token, mask[mb], agg, N, num_tokens, max_new_tokens), per_token, logratio
+        pg_loss = grpo.clipped_policy_loss(logratio, advantages[mb, None], 0.2, 0.28)
+        per_token = pg_loss + beta * ppo.kl_estimate(new_logp, ref_logp[mb], "k3")
+        return grpo.aggregate_loss(per_token, mask[mb], agg, N, num_tokens, max_new_tokens), per_token, logratio
 
     one_batch, per_token, logratio = loss_of(slice(0, 6))
     assert one_batch.item() == pytest.approx(one_batch_reference_loss(per_token.tolist(), mask, agg, max_new_tokens), rel=1e-5)

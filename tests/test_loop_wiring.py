@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import bookkeeping
+import checkpoints
 import common
+import errors
 import grpo
 import ppo
 
@@ -122,7 +124,7 @@ def test_explained_variance_counts_real_tokens_only(padding):
     v = torch.where(mask.bool(), torch.tensor(values), torch.full((4, 4), fill))
     r = torch.where(mask.bool(), torch.tensor(returns), torch.full((4, 4), -fill))
     expected = explained_variance_by_hand(values, returns, lengths)
-    assert ppo.explained_variance(v, r, mask).item() == pytest.approx(expected, rel=1e-5)
+    assert common.explained_variance(v, r, mask).item() == pytest.approx(expected, rel=1e-5)
     # The check can fail: over every position (padding counted) the answer is another one.
     every = explained_variance_by_hand(v.tolist(), r.tolist(), [4] * 4)
     assert abs(every - expected) > 0.05
@@ -170,11 +172,11 @@ def test_one_nan_in_a_tensor_stops_the_run(tmp_path):
     """A reward tensor with a single NaN among finite values stops the run and is dumped; a finite one passes.
     Guards a check that asks whether any value is finite instead of all (one NaN row would train on)."""
     rewards = torch.tensor([0.5, float("nan"), 1.0])
-    with pytest.raises(common.UsageError, match=r"step 3: the reward is not finite.*no checkpoint was saved yet"):
-        bookkeeping.check_finite(3, "reward", rewards, str(tmp_path), {"rewards": rewards})
+    with pytest.raises(errors.UsageError, match=r"step 3: the reward is not finite.*no checkpoint was saved yet"):
+        checkpoints.check_finite(3, "reward", rewards, str(tmp_path), {"rewards": rewards})
     dumped = load_file(str(tmp_path / "nonfinite_step3.safetensors"))["rewards"]
     assert torch.equal(dumped.isnan(), rewards.isnan()) and dumped[0] == 0.5
-    bookkeeping.check_finite(4, "reward", torch.tensor([0.5, 1.0]), str(tmp_path), {})
+    checkpoints.check_finite(4, "reward", torch.tensor([0.5, 1.0]), str(tmp_path), {})
     assert not os.path.exists(tmp_path / "nonfinite_step4.safetensors")
 
 
@@ -212,8 +214,8 @@ def test_dump_metadata_holds_the_resolved_args(tmp_path):
                         **QUICK["grpo"]))  # fmt: skip
     meta = json.load(open(tmp_path / "d" / "metadata.json"))
     assert meta["script"] == "grpo"
-    assert meta["args"]["beta"] == grpo.PRESETS["tiny"]["beta"] and meta["args"]["group_size"] == 3
-    assert meta["args"]["learning_rate"] == grpo.PRESETS["tiny"]["learning_rate"]
+    assert meta["args"]["beta"] == grpo.Args.beta and meta["args"]["group_size"] == 3
+    assert meta["args"]["learning_rate"] == grpo.Args.learning_rate
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the kernel's VmHWM (Linux)")

@@ -12,7 +12,7 @@ import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
 from transformers import (
     AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
     BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
@@ -20,9 +20,9 @@ from transformers import (
 
 import common
 import grpo
+import models
 import ppo
-import tasks
-from common import UsageError
+from errors import UsageError
 
 CPU = torch.device("cpu")
 CHAT_TEMPLATE = (
@@ -36,7 +36,7 @@ def byte_tokenizer():
     """A byte-level BPE with no merges (every UTF-8 byte one token), the special tokens of a chat template,
     and that template: Qwen2.5-Instruct's layout with 259 tokens."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
@@ -50,7 +50,7 @@ def char_tokenizer(chat_template=None):
     """A different tokenizer: one token per printable character, with an unknown token, for the reward model."""
     specials = ["<pad>", "<unk>", "<eos>"]
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -121,26 +121,26 @@ def run_dir_of(output_dir):
 
 def test_load_tokenizer_and_causal_lm_give_back_what_was_saved(lm):
     folder, model, tokenizer = lm
-    loaded_tokenizer = common.load_tokenizer(folder)
+    loaded_tokenizer = models.load_tokenizer(folder)
     text = "What is 12 plus 7? Héllo, wörld!\n"
     assert loaded_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert loaded_tokenizer.decode(loaded_tokenizer(text)["input_ids"]) == text
     assert loaded_tokenizer.padding_side == "left" and loaded_tokenizer.pad_token == "<|endoftext|>"
     assert loaded_tokenizer.chat_template == CHAT_TEMPLATE
-    loaded = common.load_causal_lm(folder, CPU)
+    loaded = models.load_causal_lm(folder, CPU)
     assert type(loaded) is type(model) and loaded.dtype == torch.float32
     ids = torch.tensor([tokenizer(text)["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
-    eos_ids = common.eos_token_ids(loaded, loaded_tokenizer)
+    eos_ids = models.eos_token_ids(loaded, loaded_tokenizer)
     assert sorted(eos_ids) == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
 
 
 def test_tiny_tokenizer_reads_its_characters_and_nothing_else(tiny_tokenizer):
     """The built-in tiny model is a qwen2 whose tokenizer is character-level: it must not be rebuilt as
     Qwen's byte-level BPE on loading, which drops the space and every unknown character without a trace."""
-    ids = tiny_tokenizer(common.TINY_CHARS, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(common.TINY_CHARS) and tiny_tokenizer.decode(ids) == common.TINY_CHARS
+    ids = tiny_tokenizer(models.TINY_CHARS, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(models.TINY_CHARS) and tiny_tokenizer.decode(ids) == models.TINY_CHARS
     assert tiny_tokenizer.unk_token_id in tiny_tokenizer("Using 1", add_special_tokens=False)["input_ids"]
 
 
@@ -151,7 +151,7 @@ def test_tiny_tokenizer_reads_its_characters_and_nothing_else(tiny_tokenizer):
 
 def test_encode_prompts_applies_the_chat_template_or_not(lm):
     folder, _, tokenizer = lm
-    loaded = common.load_tokenizer(folder)
+    loaded = models.load_tokenizer(folder)
     prompts = ["12+3=", "What is 2 plus 2?"]
     with_template = common.encode_prompts(loaded, prompts, chat_template=True)
     expected = tokenizer(f"<|im_start|>user\n{prompts[1]}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
@@ -197,11 +197,11 @@ def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task
     )  # fmt: skip
     rewards = grpo.main(args)
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)
-    assert args.learning_rate == grpo.PRESETS["hub"]["learning_rate"]  # a model other than tiny gets the hub preset
+    assert args.learning_rate == grpo.HUB_DEFAULTS["learning_rate"]  # a model other than tiny gets the hub preset
     final = os.path.join(run_dir_of(tmp_path), "final")
     tokenizer, model = AutoTokenizer.from_pretrained(final), AutoModelForCausalLM.from_pretrained(final)
     tokenizer.padding_side = "left"
-    eos_ids = common.eos_token_ids(model, tokenizer)
+    eos_ids = models.eos_token_ids(model, tokenizer)
     _, _, completion_ids, completion_mask = common.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
     assert completion_ids.shape == (1, 4) or completion_mask[0, -1] == 1  # 4 tokens, or fewer ending in EOS
     assert completion_mask.sum() >= 1
@@ -216,7 +216,7 @@ def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_pa
     )  # fmt: skip
     scores = ppo.main(args)
     assert len(scores) == 2
-    assert args.kl_coef == ppo.PRESETS["hub"]["kl_coef"]
+    assert args.kl_coef == ppo.HUB_DEFAULTS["kl_coef"]
     run_dir = run_dir_of(tmp_path)
     backbone = AutoModel.from_pretrained(os.path.join(run_dir, "critic"))  # an ordinary transformers folder
     critic = ppo.load_critic(os.path.join(run_dir, "critic"), CPU)
@@ -256,7 +256,7 @@ def test_load_pretrained_turns_dropout_off(name, tmp_path):
     raw = AutoModelForCausalLM.from_pretrained(tmp_path).train()
     assert not torch.equal(raw(ids, attention_mask=mask).logits, raw(ids, attention_mask=mask).logits)  # dropout is on
 
-    model = common.load_pretrained(AutoModelForCausalLM, str(tmp_path), CPU).train()
+    model = models.load_pretrained(AutoModelForCausalLM, str(tmp_path), CPU).train()
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert all(v == 0 for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, float))
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0)
@@ -293,7 +293,7 @@ def reward_model(request, models_dir):
 
 def test_reward_model_scores_the_retokenised_text(reward_model):
     folder, model, tokenizer = reward_model
-    scorer = tasks.RewardModel(folder, CPU, torch.float32)
+    scorer = models.RewardModel(folder, CPU, torch.float32)
     prompts = ["What is 2 plus 2?", "12+3=", "x"]
     completions = [" 4, I think.", "15", ""]
     scores = scorer.score(prompts, completions, ["4", "15", ""])
@@ -313,7 +313,7 @@ def test_reward_model_scores_the_retokenised_text(reward_model):
 def test_reward_model_with_two_outputs_is_a_usage_error(tmp_path):
     save_reward_model(str(tmp_path), num_labels=2)
     with pytest.raises(UsageError, match="has 2 outputs: a reward model has 1"):
-        tasks.RewardModel(str(tmp_path), CPU, torch.float32)
+        models.RewardModel(str(tmp_path), CPU, torch.float32)
 
 
 def test_grpo_runs_with_a_reward_model(qwen2_dir, jsonl_task, models_dir, tmp_path):
@@ -338,8 +338,8 @@ def checkpointing_flags(model):
 
 
 def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
-    model = common.load_causal_lm(qwen2_dir, CPU)
-    tokenizer = common.load_tokenizer(qwen2_dir)
+    model = models.load_causal_lm(qwen2_dir, CPU)
+    tokenizer = models.load_tokenizer(qwen2_dir)
     common.set_activation_checkpointing(model, True)
     model.train()
     assert any(checkpointing_flags(model))
@@ -351,7 +351,7 @@ def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
         return generate(*args, **kwargs)
 
     model.generate = spy
-    eos_ids = common.eos_token_ids(model, tokenizer)
+    eos_ids = models.eos_token_ids(model, tokenizer)
     common.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
     assert seen == [(False, False, False)]
     assert model.is_activation_checkpointing and all(checkpointing_flags(model)) and model.training
@@ -393,9 +393,9 @@ def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
 def test_float16_is_refused_before_anything_loads(qwen2_dir, tmp_path):
     """float16 without loss scaling lets small gradients underflow to 0: refused in one line, bfloat16 suggested."""
     with pytest.raises(UsageError, match="--dtype float16 would need loss scaling.*use --dtype bfloat16"):
-        common.resolve_dtype("float16", CPU)
-    assert common.resolve_dtype("auto", CPU) == torch.float32 and common.resolve_dtype("bfloat16", CPU) == torch.bfloat16
-    assert common.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+        models.resolve_dtype("float16", CPU)
+    assert models.resolve_dtype("auto", CPU) == torch.float32 and models.resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     args = grpo.Args(model=qwen2_dir, dtype="float16", num_steps=1, output_dir=str(tmp_path))
     with pytest.raises(UsageError, match="float16"):
         grpo.main(args)
@@ -415,7 +415,7 @@ def test_a_saved_critic_reloads_with_its_value_head(lm, tmp_path):
 
 def test_critic_starts_from_the_policy_weights(lm):
     folder, _, _ = lm
-    policy = dict(common.load_causal_lm(folder, CPU).named_parameters())
+    policy = dict(models.load_causal_lm(folder, CPU).named_parameters())
     critic_model = ppo.load_critic(folder, CPU)
     critic = dict(critic_model.named_parameters())
     backbone = {name for name in critic if name.startswith("backbone.")}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import common
+import models
 import ppo
 
 
@@ -116,9 +117,9 @@ def test_value_clipping_stops_the_gradient_beyond_the_range():
 def test_kl_penalty_is_per_token_and_zero_when_policy_equals_reference():
     logp = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     for kind in ("k1", "k2", "k3"):
-        assert (common.kl_estimate(logp, logp, kind) == 0).all()
+        assert (ppo.kl_estimate(logp, logp, kind) == 0).all()
     ref = torch.log(torch.tensor([[0.25, 0.2, 0.45]]))
-    kl = common.kl_estimate(logp, ref, "k1")
+    kl = ppo.kl_estimate(logp, ref, "k1")
     assert kl.shape == (1, 3)
     torch.testing.assert_close(kl, torch.tensor([[torch.log(torch.tensor(2.0)).item(), 0.0, torch.log(torch.tensor(2.0)).item()]]))
 
@@ -128,7 +129,7 @@ def test_whitening_ignores_masked_positions():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     real = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     expected = (real - real.mean()) / torch.sqrt(real.var(unbiased=False) + 1e-8)
-    out = common.masked_whiten(x, mask)
+    out = ppo.masked_whiten(x, mask)
     torch.testing.assert_close(out[mask.bool()], expected)
     assert (out[~mask.bool()] == 0).all()
 
@@ -136,8 +137,8 @@ def test_whitening_ignores_masked_positions():
 def test_explained_variance():
     returns = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    assert ppo.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
-    assert ppo.explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
+    assert common.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert common.explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
 
 
 def test_adaptive_kl_coef_moves_towards_target():
@@ -147,8 +148,8 @@ def test_adaptive_kl_coef_moves_towards_target():
 
 
 def test_critic_starts_from_policy_weights(tmp_path):
-    policy = common.load_causal_lm(common.TINY_MODEL, torch.device("cpu"))
-    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
+    policy = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
     backbone = dict(policy.get_decoder().named_parameters())
     critic_backbone = dict(critic.backbone.named_parameters())
     assert backbone.keys() == critic_backbone.keys()
@@ -160,7 +161,7 @@ def test_critic_starts_from_policy_weights(tmp_path):
 
 def test_the_value_head_starts_at_zero():
     """lm-human-preferences zero-initialises the value head: every value of a fresh critic is 0, whatever the input."""
-    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
     assert torch.equal(critic.value_head.weight, torch.zeros_like(critic.value_head.weight))
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1], [4, 9, 10, 11, 12, 13]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -171,7 +172,7 @@ def test_the_value_head_starts_at_zero():
 
 def test_token_values_align_with_token_logprobs():
     """V(s_t) is read at the position that predicts token t, like the log-prob of token t."""
-    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu")).eval()
+    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu")).eval()
     torch.nn.init.normal_(critic.value_head.weight)  # a zero head would give 0 everywhere and prove nothing
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import common
 import grpo
+import models
 import ppo
 from conftest import make_small_model
 
@@ -55,7 +55,7 @@ def sharp(tmp_path_factory):
     """(model folder, task name): a sharp 2-layer qwen2 over the tiny tokenizer's 25 tokens, and the task above."""
     folder = tmp_path_factory.mktemp("sharp")
     make_small_model(vocab_size=25, seed=2).save_pretrained(folder / "model")
-    common.load_tokenizer(common.TINY_MODEL).save_pretrained(folder / "model")
+    models.load_tokenizer(models.TINY_MODEL).save_pretrained(folder / "model")
     (folder / "varied_reward.py").write_text(REWARD_SOURCE)
     return str(folder / "model"), f"python:{folder / 'varied_reward.py'}:reward"
 
@@ -331,7 +331,7 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
     history = grpo.main(grpo.Args(**{**fields, **GRPO_VARIANTS[variant]}))
     monkeypatch.undo()
     run_dir, a = read_run(tmp_path)
-    tokenizer = common.load_tokenizer(folder)
+    tokenizer = models.load_tokenizer(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()  # the initial weights: also the KL reference
     policy = AutoModelForCausalLM.from_pretrained(folder).eval()
     mu, G = a["num_iterations"], a["group_size"]
@@ -394,7 +394,7 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
         lengths = [len(c) for _, c in rows]
         total_tokens += int(d["prompt_mask"].sum()) + sum(lengths)
         check_scalar(scalars, "charts/score", step, sum(rewards) / N)
-        check_scalar(scalars, "charts/reward", step, sum(rewards) / N)
+        assert "charts/reward" not in scalars  # GRPO's reward is the score: logged once, as charts/score
         check_scalar(scalars, "charts/reward_std", step, statistics.stdev(rewards))
         check_scalar(scalars, "charts/completion_length", step, sum(lengths) / N)
         check_scalar(scalars, "losses/policy_loss", step, sum(stats["pg"]) / mu, abs=1e-5)
@@ -498,7 +498,7 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
     history = ppo.main(ppo.Args(**{**fields, **PPO_VARIANTS[variant]}))
     monkeypatch.undo()
     run_dir, a = read_run(tmp_path)
-    tokenizer = common.load_tokenizer(folder)
+    tokenizer = models.load_tokenizer(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     policy = AutoModelForCausalLM.from_pretrained(folder).eval()
     critic = ReferenceCritic(folder).eval()
@@ -571,8 +571,9 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             assert_grads_close(critic_call["grads"], [p.grad for p in critic.parameters()], f"{where}: critic gradient")
             if u == 0:  # the dump holds the first micro-batch of the first minibatch of the first epoch
                 assert d["minibatch_index"].tolist() == idx
-                n = len(d["mb_index"])
-                assert d["mb_index"].tolist() == idx[:n]
+                micro = d["micro_index"]
+                n = len(micro)
+                assert micro.tolist() == idx[:n]
                 close(d["new_logp"], padded([x.tolist() for x in pieces["logp"][:n]], T))
                 close(d["new_values"], padded([x.tolist() for x in pieces["values"][:n]], T))
                 close(d["per_token_loss"], padded([x.tolist() for x in per_token[:n]], T))

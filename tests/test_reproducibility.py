@@ -8,8 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import bookkeeping
-import common
+import checkpoints
+import errors
 import grpo
+import models
 import ppo
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
@@ -31,7 +33,7 @@ def quick_args(script, output_dir, **overrides):
 def resolved_args(script, output_dir, **overrides):
     """quick_args with the preset applied, as main() has them when it reads a checkpoint."""
     args = quick_args(script, output_dir, **overrides)
-    bookkeeping.apply_preset(args, SCRIPTS[script].PRESETS)
+    bookkeeping.apply_hub_defaults(args, SCRIPTS[script].HUB_DEFAULTS)
     return args
 
 
@@ -72,8 +74,8 @@ def test_same_seed_same_run(script, tmp_path):
         results.append((per_step, logged_scalars(run_dir), final_weights(run_dir, script)))
     (steps_a, scalars_a, weights_a), (steps_b, scalars_b, weights_b) = results
     assert steps_a == steps_b
-    assert {"charts/reward", "charts/score", "losses/policy_loss", "losses/kl_ref", "losses/grad_norm"} <= scalars_a.keys()
-    assert [step for step, _ in scalars_a["charts/reward"]] == [1, 2, 3]
+    assert {"charts/score", "losses/policy_loss", "losses/kl_ref", "losses/grad_norm"} <= scalars_a.keys()
+    assert [step for step, _ in scalars_a["charts/score"]] == [1, 2, 3]
     assert scalars_a == scalars_b  # exact: not one bit of any logged number differs
     assert_same_weights(weights_a, weights_b)
 
@@ -109,7 +111,7 @@ def test_resume_continues_exactly(script, tmp_path):
     first = main(quick_args(script, tmp_path / "parts", num_steps=k, save_every=k))
     run_dir = only_run_dir(tmp_path / "parts")
     checkpoint = os.path.join(run_dir, "checkpoint")
-    assert bookkeeping.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k))["step"] == k
+    assert checkpoints.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k))["step"] == k
     resumed = main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=checkpoint))
 
     assert first == whole[:k]
@@ -117,7 +119,7 @@ def test_resume_continues_exactly(script, tmp_path):
     whole_dir = only_run_dir(tmp_path / "whole")
     assert_same_weights(final_weights(whole_dir, script), final_weights(run_dir, script))
     whole_scalars, resumed_scalars = logged_scalars(whole_dir), logged_scalars(run_dir)
-    assert [step for step, _ in whole_scalars["charts/reward"]] == list(range(1, k + m + 1))
+    assert [step for step, _ in whole_scalars["charts/score"]] == list(range(1, k + m + 1))
     assert resumed_scalars == whole_scalars
 
 
@@ -126,7 +128,7 @@ def test_resume_with_the_other_scripts_checkpoint(script, tmp_path):
     other = "ppo" if script == "grpo" else "grpo"
     SCRIPTS[other].main(quick_args(other, tmp_path / "other", num_steps=1, save_every=1))
     checkpoint = os.path.join(only_run_dir(tmp_path / "other"), "checkpoint")
-    with pytest.raises(common.UsageError, match=rf"checkpoint of {other}\.py, not {script}\.py"):
+    with pytest.raises(errors.UsageError, match=rf"checkpoint of {other}\.py, not {script}\.py"):
         SCRIPTS[script].main(quick_args(script, tmp_path / "mine", resume=checkpoint))
 
 
@@ -143,18 +145,18 @@ def grpo_checkpoint(tmp_path_factory):
      ("loss_agg", "token-mean", "--loss-agg"), ("group_size", 2, "--group-size")],
 )  # fmt: skip
 def test_resume_with_other_args_names_the_flag(grpo_checkpoint, tmp_path, monkeypatch, field, value, flag):
-    monkeypatch.setattr(common, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint"))
-    with pytest.raises(common.UsageError, match=f"was run with {flag} "):
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint"))
+    with pytest.raises(errors.UsageError, match=f"was run with {flag} "):
         grpo.main(quick_args("grpo", tmp_path, resume=grpo_checkpoint, **{field: value}))
 
 
 def test_resume_may_change_what_does_not_change_the_trajectory(grpo_checkpoint, tmp_path):
     args = resolved_args("grpo", tmp_path, num_steps=5, save_every=3, sample_every=7, eval_every=9, dump_dir=str(tmp_path / "d"))
-    assert bookkeeping.load_checkpoint(grpo_checkpoint, "grpo", args)["step"] == 1
+    assert checkpoints.load_checkpoint(grpo_checkpoint, "grpo", args)["step"] == 1
 
 
 def test_resume_from_a_missing_folder(tmp_path):
-    with pytest.raises(common.UsageError, match="not a checkpoint"):
+    with pytest.raises(errors.UsageError, match="not a checkpoint"):
         grpo.main(quick_args("grpo", tmp_path, resume=str(tmp_path / "no-such-checkpoint")))
 
 
@@ -164,7 +166,7 @@ def test_resume_from_a_corrupt_state(grpo_checkpoint, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(grpo_checkpoint, corrupt)
     (corrupt / "state.pt").write_bytes(os.urandom(1000))
-    with pytest.raises(common.UsageError, match="state.pt cannot be read.*corrupt"):
+    with pytest.raises(errors.UsageError, match="state.pt cannot be read.*corrupt"):
         grpo.main(quick_args("grpo", tmp_path, resume=str(corrupt)))
 
 
@@ -207,9 +209,9 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
 
     checkpoint = os.path.join(only_run_dir(tmp_path), "checkpoint")
     assert len(saves) == 2 and checkpoint_step(checkpoint) == 1
-    assert bookkeeping.load_checkpoint(checkpoint, "grpo", args)["step"] == 1
-    policy = common.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
-    assert common.count_parameters(policy) > 0
+    assert checkpoints.load_checkpoint(checkpoint, "grpo", args)["step"] == 1
+    policy = models.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
+    assert models.count_parameters(policy) > 0
     # and the run resumes from it, to the end
     assert len(grpo.main(quick_args("grpo", tmp_path, num_steps=3, save_every=1, resume=checkpoint))) == 3
 
@@ -217,6 +219,6 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
 def test_the_critic_has_no_dropout():
     """The token-classification head brings a Dropout(0.1) that no config key sets; left on, the critic's
     values would depend on its train/eval mode, and a resumed run (fresh model, eval mode) would differ."""
-    critic = ppo.load_critic(common.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
     dropouts = [m for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.p == 0 for m in dropouts)

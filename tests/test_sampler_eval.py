@@ -31,7 +31,7 @@ def draws(sampler, sizes):
 def test_sampler_gives_each_example_once_per_pass():
     """Guards against sampling with replacement, or an example left in (or dropped from) the order:
     every 10 consecutive draws, whatever the batch sizes, are the 10 examples."""
-    sampler = tasks.PromptSampler(EXAMPLES, seed=3)
+    sampler = common.PromptSampler(EXAMPLES, seed=3)
     seq = draws(sampler, [3, 4, 1, 7, 5, 10])  # 30 draws across batch boundaries
     passes = [seq[i : i + 10] for i in range(0, 30, 10)]
     for p in passes:
@@ -43,27 +43,27 @@ def test_sampler_gives_each_example_once_per_pass():
 def test_sampler_order_depends_on_its_seed_only():
     """Guards against a sampler that ignores its seed, or shuffles with the global `random` (then another
     draw from it, e.g. by a reward function, changes the prompts a run sees)."""
-    a = draws(tasks.PromptSampler(EXAMPLES, seed=1), [10, 10])
+    a = draws(common.PromptSampler(EXAMPLES, seed=1), [10, 10])
     random.seed(12345)
-    other = tasks.PromptSampler(EXAMPLES, seed=1)
+    other = common.PromptSampler(EXAMPLES, seed=1)
     first = draws(other, [5])
     random.random()
     random.shuffle(list(range(100)))
     assert first + draws(other, [5, 10]) == a
-    assert draws(tasks.PromptSampler(EXAMPLES, seed=2), [10, 10]) != a
+    assert draws(common.PromptSampler(EXAMPLES, seed=2), [10, 10]) != a
 
 
 def test_sampler_state_round_trip_continues_the_same_sequence():
     """Guards against a state that is not restored (order or RNG), or one that aliases the live order and so
     moves on after it was saved. Saved mid-pass, through pickle as torch.save writes it, and loaded into a
     sampler of another seed, it continues exactly; the continuation crosses into the next pass (the RNG)."""
-    sampler = tasks.PromptSampler(EXAMPLES, seed=7)
+    sampler = common.PromptSampler(EXAMPLES, seed=7)
     draws(sampler, [4, 3])  # 7 draws: mid-pass
     state = sampler.state_dict()
     saved = pickle.dumps(state)
     expected = draws(sampler, [6, 10, 5])  # finishes this pass, then two more shuffles
     for loaded in (pickle.loads(saved), state):  # `state` itself must not have moved on with the sampler
-        resumed = tasks.PromptSampler(EXAMPLES, seed=99)
+        resumed = common.PromptSampler(EXAMPLES, seed=99)
         resumed.load_state_dict(loaded)
         assert draws(resumed, [6, 10, 5]) == expected
 
@@ -201,7 +201,7 @@ def test_eval_every_logs_the_trained_policys_held_out_score(script, sharp_folder
 
 @pytest.mark.parametrize("constant", ["000", "123", "555", "999", "0", "0000000"])
 def test_a_constant_answer_earns_little_on_the_held_out_split(constant):
-    """The copy reward's promise (tasks.copy_reward): a constant completion gets about 0.1 per digit, never
+    """The copy reward's promise (rewards.copy_reward): a constant completion gets about 0.1 per digit, never
     enough to trap the policy. Guards against an unshuffled split (held out = 000..099, where "000" earns
     1/3 and more), and against a denominator that lets a longer constant earn more."""
     task = tasks.copy_task()

@@ -2,8 +2,9 @@
 
 import pytest
 
-from common import UsageError
-from tasks import Task, copy_reward, copy_task, load_task
+from errors import UsageError
+from rewards import copy_reward
+from tasks import Task, copy_task, load_task
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,10 @@ from fractions import Fraction
 import pytest
 
 import bookkeeping
-import common
+import models
+import rewards
 import tasks
-from common import UsageError
+from errors import UsageError
 from tasks import load_task
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -76,14 +77,14 @@ def test_arithmetic_default_is_one_digit_and_deterministic():
 def test_arithmetic_uses_only_the_tiny_models_characters(digits, tiny_tokenizer):
     task = load_task(f"arithmetic:{digits}")
     for ex in task.train + task.test:
-        assert set(ex["prompt"] + ex["answer"]) <= set(common.TINY_CHARS), ex
-    common.check_vocabulary(tiny_tokenizer, task, "tiny")  # the tiny tokenizer reads every prompt
+        assert set(ex["prompt"] + ex["answer"]) <= set(models.TINY_CHARS), ex
+    models.check_vocabulary(tiny_tokenizer, task, "tiny")  # the tiny tokenizer reads every prompt
 
 
 def test_check_vocabulary_refuses_a_task_the_tiny_tokenizer_cannot_read(tiny_tokenizer):
     """The negative control of the test above: countdown's prompts have letters."""
     with pytest.raises(UsageError, match="does not know"):
-        common.check_vocabulary(tiny_tokenizer, load_task("countdown"), "tiny")
+        models.check_vocabulary(tiny_tokenizer, load_task("countdown"), "tiny")
 
 
 @pytest.mark.parametrize("name", ["arithmetic:0", "arithmetic:10", "arithmetic:two", "arithmetic:-1", "arithmetic:1.5"])
@@ -98,7 +99,7 @@ def test_arithmetic_bad_difficulty_is_a_usage_error(name):
      ("19.0", "19", 0.0), ("1", "19", 0.0), ("1919", "19", 0.0), ("", "19", 0.0), ("19=19", "19", 0.0)],
 )  # fmt: skip
 def test_arithmetic_reward_is_exact_match(completion, answer, reward):
-    assert tasks.arithmetic_reward("12+7=", completion, answer) == reward
+    assert rewards.arithmetic_reward("12+7=", completion, answer) == reward
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def countdown_answer(target, numbers):
      ("7 / 2", [2, 7], Fraction(7, 2)), ("3 * 3", [3, 3, 5], 9), ("25 - 50", [25, 50], -25), (" 7 ", [7], 7)],
 )  # fmt: skip
 def test_countdown_value_of_well_formed_equations(equation, numbers, value):
-    result = tasks.countdown_value(equation, numbers)
+    result = rewards.countdown_value(equation, numbers)
     assert result == value and isinstance(result, Fraction)
 
 
@@ -163,8 +164,8 @@ def test_countdown_never_executes_or_hangs_on_malicious_equations(equation, monk
     answer = countdown_answer(6, [1, 2, 2, 3])
     try:
         with deadline(2):
-            value = tasks.countdown_value(equation, [1, 2, 2, 3])
-            reward = tasks.countdown_reward("", f"<answer>{equation}</answer>", answer)
+            value = rewards.countdown_value(equation, [1, 2, 2, 3])
+            reward = rewards.countdown_reward("", f"<answer>{equation}</answer>", answer)
     finally:
         monkeypatch.undo()  # now, not at teardown: pytest itself imports while it reports a failure
     assert not calls
@@ -187,7 +188,7 @@ def test_countdown_never_executes_or_hangs_on_malicious_equations(equation, monk
      ("<answer>(1 + 2) * 3</answer><answer>", 1.0)],
 )  # fmt: skip
 def test_countdown_reward_hand_values(completion, reward):
-    assert tasks.countdown_reward("", completion, countdown_answer(9, [1, 2, 3])) == reward
+    assert rewards.countdown_reward("", completion, countdown_answer(9, [1, 2, 3])) == reward
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,7 @@ def test_countdown_reward_is_fast_on_huge_completions(completion, expected):
     """Fast, and still the exact reward: guards a search that gives up (or a length cap that scores 0) on long
     text, as much as one that takes quadratic time."""
     with deadline(2):
-        reward = tasks.countdown_reward("", completion, countdown_answer(9, [1, 2, 3]))
+        reward = rewards.countdown_reward("", completion, countdown_answer(9, [1, 2, 3]))
     assert reward == expected
 
 
@@ -282,7 +283,7 @@ def test_gsm8k_reference_solutions_score_1():
      ("It is $1440.00", "1440.00"), ("no digits", None), ("", None)],
 )  # fmt: skip
 def test_gsm8k_final_number(completion, final):
-    assert tasks.gsm8k_final_number(completion) == final
+    assert rewards.gsm8k_final_number(completion) == final
 
 
 @pytest.mark.parametrize(
@@ -304,8 +305,8 @@ def test_gsm8k_rewards_on_the_1440_row(completion, reward, format_reward):
 def test_gsm8k_reward_survives_huge_numbers(completion):
     """A degenerate completion (thousands of digits) scores 0; it must not stop the run or hang."""
     with deadline(2):
-        assert tasks.gsm8k_reward("", completion, "72") == 0.0
-        assert tasks.match_reward("", completion, "72") == 0.0
+        assert rewards.gsm8k_reward("", completion, "72") == 0.0
+        assert rewards.match_reward("", completion, "72") == 0.0
 
 
 def test_gsm8k_row_without_hashes_is_a_usage_error():

@@ -1,0 +1,291 @@
+"""Loading what a run needs, and checking it fits: models, tokenizers, device and precision.
+
+The built-in tiny model (built into the cache on first use), any causal LM of the hub or a local folder with
+its tokenizer, a sequence-classification reward model (--reward-model), the device and the autocast dtype;
+and the checks that refuse, in one line, a model that does not fit the task or the flags.
+"""
+
+import os
+import shutil
+
+import torch
+
+from common import encode_prompts
+from errors import UsageError
+
+TINY_MODEL = "tiny"
+TINY_CHARS = "0123456789+-*/=() ,.:?"  # enough for every built-in task
+TINY_VERSION = 1  # bump when the recipe below changes, so old cached copies are rebuilt
+
+
+def tiny_model_dir():
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(cache, "ppo-grpo-reference", f"tiny-qwen2-v{TINY_VERSION}")
+
+
+def build_tiny_model(folder):
+    """Write the built-in tiny model: a character-level tokenizer and a ~1M-parameter Qwen2, random init.
+
+    It is saved like any hub model, so it then goes through the same AutoModel/AutoTokenizer path.
+    The init is seeded, so every machine builds the same weights.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(TINY_CHARS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    tmp = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    if os.path.isdir(folder):  # another process built it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, folder)
+
+
+def resolve_model_path(name, flag="--model"):
+    """`tiny` means the built-in tiny model (built into the cache on first use); anything else is as given."""
+    if name == TINY_MODEL:
+        folder = tiny_model_dir()
+        if not os.path.isdir(folder):
+            build_tiny_model(folder)
+        return folder
+    if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise UsageError(
+            f"{flag} {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "
+            f"fix the path{', or pass --model tiny' if flag == '--model' else ''}"
+        )
+    return name
+
+
+def check_model_names(args, fields):
+    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag."""
+    for field in fields:
+        if getattr(args, field) not in (None, TINY_MODEL):
+            resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
+
+
+def _from_pretrained(loader, name, **kwargs):
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"could not load {name!r} ({first_line}): check --model, the path or your network") from None
+
+
+def quiet_transformers():
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # "Loading weights" bars would bury the training progress bar
+
+
+def saved_as_generic_tokenizer(path):
+    """Whether a local folder's tokenizer_config.json names the generic class (as the tiny model's does)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    except (OSError, ValueError):
+        return False
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    # AutoTokenizer rebuilds the tokenizer of a qwen2 model as Qwen's byte-level BPE from the vocabulary alone,
+    # ignoring tokenizer.json: the tiny model's would silently drop spaces and unknown characters.
+    loader = PreTrainedTokenizerFast if saved_as_generic_tokenizer(path) else AutoTokenizer
+    tokenizer = _from_pretrained(loader, path)
+    tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
+    """A model by hub id or local path through `loader` (an AutoModelFor... class), with every dropout set to 0.
+
+    Dropout would make the ratio differ from 1 at the first update (policy and old policy would
+    be two different random networks), so RL fine-tuning turns it off.
+    """
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    config = _from_pretrained(AutoConfig, path, **kwargs)
+    for key, value in vars(config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model = _from_pretrained(loader, path, config=config, dtype=dtype)
+    for module in model.modules():  # heads whose dropout no config key sets (classifier_dropout None means 0.1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device)
+
+
+def load_causal_lm(name, device, dtype=torch.float32):
+    """A decoder-only causal LM whose forward can return the completion's logits alone; anything else is refused."""
+    import inspect
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _from_pretrained(AutoConfig, resolve_model_path(name))
+    if config.is_encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model")
+    model = load_pretrained(AutoModelForCausalLM, name, device, dtype)
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UsageError(f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): use another architecture")
+    return model
+
+
+def load_backbone(name, device):
+    """The transformer of a causal LM without its vocabulary head (AutoModel), as the base of a critic."""
+    from transformers import AutoModel
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # loaded from a causal LM, the load report lists the unused LM head: expected
+    backbone = load_pretrained(AutoModel, name, device)
+    logging.set_verbosity(verbosity)
+    return backbone
+
+
+HEAD_FILE = "value_head.safetensors"
+
+
+def save_head(head, folder):
+    """The weights of a head (the critic's value head) beside the backbone saved in `folder`."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, os.path.join(folder, HEAD_FILE))
+
+
+def load_head(head, name, device):
+    """Load into `head` the weights saved beside the backbone `name`, if there are any (else it keeps its init)."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(resolve_model_path(name), HEAD_FILE)
+    if os.path.isfile(path):
+        head.load_state_dict(load_file(path, device=str(device)))
+
+
+def check_vocabulary(tokenizer, task, model_name):
+    """Refuse a task whose prompts the tokenizer cannot read (the tiny model knows only TINY_CHARS)."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    for example in task.train[:200]:
+        if unk in tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]:
+            raise UsageError(
+                f"the prompts of task {task.name!r} have characters the tokenizer of {model_name!r} does not know "
+                f"(e.g. in {example['prompt'][:60]!r}): use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
+            )
+
+
+def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat_template, batch_size=1000):
+    """Refuse a task whose longest prompt, as generation encodes it, plus max_new_tokens overflows the model's positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for examples in (task.train, task.test):
+        for i in range(0, len(examples), batch_size):
+            prompts = [example["prompt"] for example in examples[i : i + batch_size]]
+            lengths = encode_prompts(tokenizer, prompts, chat_template)["attention_mask"].sum(1)
+            longest = int(lengths.argmax())
+            length = int(lengths[longest])
+            if length + max_new_tokens > limit:
+                fix = f"lower --max-new-tokens to {limit - length} or shorten the prompts" if length < limit else "shorten the prompts"
+                raise UsageError(
+                    f"a prompt of task {task.name!r} is {length} tokens ({prompts[longest][:40]!r}...); with --max-new-tokens "
+                    f"{max_new_tokens} that is more than the {limit} positions of {model_name!r}: {fix}"
+                )
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the generation config's list (chat models have several) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+CPU = torch.device("cpu")  # where a checkpoint's weights are read before they are copied into the run's models
+
+
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name, device):
+    """`auto` is bfloat16 on CUDA and float32 on CPU; float16 is refused (it needs loss scaling)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "float16":  # without a GradScaler, gradients below ~6e-8 underflow to 0 in float16
+        raise UsageError("--dtype float16 would need loss scaling, which this project does not do: use --dtype bfloat16 or float32")
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# --reward-model: a learned reward instead of the task's.
+# ---------------------------------------------------------------------------------------------------
+
+
+class RewardModel:
+    """--reward-model: a sequence-classification model with one output scores each prompt + completion.
+
+    The canonical RLHF setup (Ouyang et al. 2022). The text is re-tokenised with the reward model's own
+    tokenizer (through its chat template when it has one), so it need not share the policy's tokenizer.
+    """
+
+    def __init__(self, name, device, dtype, batch_size=16):
+        from transformers import AutoModelForSequenceClassification
+
+        self.name, self.batch_size = f"reward model {name}", batch_size
+        self.tokenizer = load_tokenizer(name)
+        self.tokenizer.padding_side = "right"
+        self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype).eval()
+        if self.model.config.num_labels != 1:
+            raise UsageError(f"--reward-model {name!r} has {self.model.config.num_labels} outputs: a reward model has 1")
+        if self.model.config.pad_token_id is None:  # it finds each row's last token through the pad id
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def score(self, prompts, completions, answers):
+        templated = bool(self.tokenizer.chat_template)
+        if templated:
+            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
+            texts = self.tokenizer.apply_chat_template(chats, tokenize=False)
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        scores = []
+        with torch.no_grad():
+            for i in range(0, len(texts), self.batch_size):
+                # A rendered template already holds its BOS: adding special tokens again would give two.
+                enc = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=not templated)
+                enc = enc.to(self.model.device)
+                scores += self.model(**enc).logits[:, 0].float().tolist()
+        return scores
