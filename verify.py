@@ -32,9 +32,9 @@ plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
   per_token_loss(batch, args) -> [N, T]              loss(batch, args) -> scalar
   train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, whose gradient is compared
   update(model, batch, args): one optimizer step in place, from fresh optimizer state
-  OPTIONS = {name: default} (set with --set name=value); setup(args, options, model) with a copy of
-  the initial policy; differences(args, options)
-  -> list of one-line known differences, printed when a check fails.
+  OPTIONS = {name: default}, changed by --set name=value; setup(args, options, model), called once with a
+  copy of the initial policy; differences(args, options) -> the known differences (one line each) that the
+  run's flags switch on, printed under the table.
 """
 
 import argparse
@@ -50,14 +50,15 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 QUANTITIES = ["advantages", "returns", "log-probs", "kl", "per-token loss", "loss", "gradient", "update"]
-# (kind, value): "abs" bounds max |ours - theirs|, "rel" bounds it divided by max |ours|. Float32 on CPU; a
-# dump made under bf16 autocast needs --tol log-probs=1e-2. Adam's first step is about lr * sign(gradient), so
-# a gradient element near 0 may move either way in two right implementations: the update gets 1e-4.
+# (kind, value): "abs" bounds max |ours - theirs|, "rel" bounds it over max |ours|. Float32 on CPU; a dump made
+# under bf16 autocast needs --tol log-probs=1e-2. Adam's first step is about lr * sign(gradient), so a gradient
+# element near 0 may move either way in two right implementations: the update gets 1e-4.
 TOLERANCES = {
     "advantages": ("abs", 1e-6), "returns": ("abs", 1e-6), "log-probs": ("abs", 1e-5), "kl": ("abs", 1e-6),
     "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5), "update": ("abs", 1e-4),
 }  # fmt: skip
-ADAPTER_FUNCTIONS = ["group_advantages", "gae", "token_logprobs", "kl", "per_token_loss", "loss", "train_loss", "update"]
+FUNCTIONS = ["group_advantages", "gae", "token_logprobs", "kl", "per_token_loss", "loss", "train_loss",
+             "update"]
 
 
 class VerifyError(Exception):
@@ -77,8 +78,8 @@ def load_adapter(name):
         spec.loader.exec_module(module)
     except ImportError as e:
         raise VerifyError(f"adapter {label!r} cannot be imported: {e}") from None
-    if not any(callable(getattr(module, f, None)) for f in ADAPTER_FUNCTIONS):
-        raise VerifyError(f"adapter {label!r} ({path}) defines none of the functions {', '.join(ADAPTER_FUNCTIONS)}")
+    if not any(callable(getattr(module, f, None)) for f in FUNCTIONS):
+        raise VerifyError(f"adapter {label!r} ({path}) defines none of the functions {', '.join(FUNCTIONS)}")
     module.label = label
     return module
 
@@ -89,34 +90,33 @@ def parse_options(adapter, pairs):
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in options:
-            known = ", ".join(options) or "none"
-            raise VerifyError(f"--set {pair!r}: adapter {adapter.label!r} has no option {key!r} (its options: {known})")
-        default = options[key]
-        if isinstance(default, bool):
+            known = f"(options: {', '.join(options) or 'none'})"
+            raise VerifyError(f"--set {pair!r}: adapter {adapter.label!r} has no option {key!r} {known}")
+        if isinstance(options[key], bool):
             if value.lower() not in ("true", "false"):
                 raise VerifyError(f"--set {pair!r}: {key} takes true or false")
             options[key] = value.lower() == "true"
         else:
-            options[key] = type(default)(value) if default is not None else value
+            options[key] = type(options[key])(value)
     return options
 
 
 def load_dump(dump_dir):
-    """(args dict with "script", {step: tensors}); refuses, in one line, what is not a dump."""
+    """(the run's Args as a dict, plus "script"; {step: tensors}), or one line saying why this is not a dump."""
     meta_path = os.path.join(dump_dir, "metadata.json")
     if not os.path.isfile(meta_path):
-        raise VerifyError(f"{dump_dir!r} is not a dump folder (no metadata.json): pass the --dump-dir of a grpo.py or ppo.py run")
+        raise VerifyError(f"{dump_dir!r} is not a dump folder (no metadata.json): pass a run's --dump-dir")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
         args = dict(meta["args"], script=meta["script"])
     except (ValueError, KeyError, TypeError) as e:
-        raise VerifyError(f"{meta_path} cannot be read as a dump's metadata ({type(e).__name__}: {e})") from None
+        raise VerifyError(f"{meta_path} is not a dump's metadata ({type(e).__name__}: {e})") from None
     if args["script"] not in ("grpo", "ppo"):
         raise VerifyError(f"{meta_path} is from {args['script']!r}, not grpo or ppo")
     paths = sorted(glob.glob(os.path.join(dump_dir, "step*.safetensors")))
     if not paths:
-        raise VerifyError(f"{dump_dir!r} has no stepNNNNNN.safetensors: the run wrote no step (it stopped before step 1?)")
+        raise VerifyError(f"{dump_dir!r} has no stepNNNNNN.safetensors: the run stopped before its first step")
     steps = {}
     for path in paths:
         try:
@@ -126,13 +126,14 @@ def load_dump(dump_dir):
     for step, d in steps.items():
         missing = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} - d.keys()
         if missing:
-            raise VerifyError(f"step {step} of {dump_dir!r} lacks {', '.join(sorted(missing))}: not a dump of this project")
-        shape, rows = tuple(d["completion_mask"].shape), len(d["completion_mask"])
+            raise VerifyError(f"step {step} lacks {', '.join(sorted(missing))}: not a dump of this project")
+        shape = tuple(d["completion_mask"].shape)
         for key, value in d.items():
-            if value.dim() == 2 and key not in ("prompt_ids", "prompt_mask") and value.shape[1] != shape[1]:
-                raise VerifyError(f"step {step}: {key} has shape {tuple(value.shape)}, completion_mask {shape}: the dump is inconsistent")
-        if d["prompt_ids"].shape != d["prompt_mask"].shape or len(d["prompt_ids"]) != rows:
-            raise VerifyError(f"step {step}: prompt_ids {tuple(d['prompt_ids'].shape)} do not match the {rows} completions")
+            if value.dim() == 2 and not key.startswith("prompt") and value.shape[1] != shape[1]:
+                raise VerifyError(f"step {step}: {key} has shape {tuple(value.shape)}, completion_mask {shape}")
+        if d["prompt_ids"].shape != d["prompt_mask"].shape or len(d["prompt_ids"]) != shape[0]:
+            prompt = tuple(d["prompt_ids"].shape)
+            raise VerifyError(f"step {step}: prompt_ids {prompt} do not fit {shape[0]} completions")
     return args, steps
 
 
@@ -144,41 +145,43 @@ class Report:
         self.tolerances = tolerances
 
     def skip(self, quantity, reason):
-        if not self.rows[quantity]["steps"] and self.rows[quantity]["skip"] is None:
+        if reason and not self.rows[quantity]["steps"] and self.rows[quantity]["skip"] is None:
             self.rows[quantity]["skip"] = reason
 
     def add(self, quantity, step, actual, expected, mask=None, what=""):
+        if actual is None:
+            return
+        if expected is None:
+            return self.skip(quantity, f"the dump has no {what}")
         actual = torch.as_tensor(actual).detach().float().cpu()
         expected = torch.as_tensor(expected).detach().float().cpu()
         if actual.shape != expected.shape:
-            raise VerifyError(f"the adapter's {what or quantity} at step {step} has shape {tuple(actual.shape)}, "
-                              f"the dump's {tuple(expected.shape)}")  # fmt: skip
+            theirs, ours = tuple(actual.shape), tuple(expected.shape)
+            raise VerifyError(f"step {step}: the adapter's {quantity} are {theirs}, the dump's {what} {ours}")
         if mask is not None:
             actual, expected = actual * mask, expected * mask
         diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
         row = self.rows[quantity]
         row["abs"] = max(row["abs"], diff)
-        row["rel"] = max(row["rel"], diff / max(expected.abs().max().item() if expected.numel() else 0.0, 1e-30))
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        row["rel"] = max(row["rel"], diff / max(scale, 1e-30))
         row["skip"] = None
-        if step not in row["steps"]:
-            row["steps"].append(step)
+        row["steps"] += [] if step in row["steps"] else [step]
 
     def passed(self, quantity):
         row, (kind, tol) = self.rows[quantity], self.tolerances[quantity]
-        return row[kind] <= tol if not row["skip"] and row["steps"] else None
+        return row[kind] <= tol if row["steps"] else None
 
     def table(self):
-        lines = ["| quantity | steps | max abs diff | max rel diff | tolerance | result |", "|---|---|---|---|---|---|"]
+        lines = ["| quantity | steps | max abs diff | max rel diff | tolerance | result |", "|---" * 6 + "|"]
         for q, row in self.rows.items():
-            if row["skip"] is None and not row["steps"]:
-                continue
             kind, tol = self.tolerances[q]
-            if row["skip"]:
+            if row["steps"]:
+                steps, result = ",".join(map(str, sorted(row["steps"]))), "pass" if self.passed(q) else "FAIL"
+                diffs = f"{row['abs']:.2e} | {row['rel']:.2e}"
+                lines.append(f"| {q} | {steps} | {diffs} | {kind} {tol:.0e} | {result} |")
+            elif row["skip"]:
                 lines.append(f"| {q} | - | - | - | {kind} {tol:.0e} | skip: {row['skip']} |")
-                continue
-            steps = ",".join(map(str, sorted(row["steps"])))
-            result = "pass" if self.passed(q) else "FAIL"
-            lines.append(f"| {q} | {steps} | {row['abs']:.2e} | {row['rel']:.2e} | {kind} {tol:.0e} | {result} |")
         return "\n".join(lines)
 
     def failures(self):
@@ -186,7 +189,7 @@ class Report:
 
 
 def call(adapter, name, *args, **kwargs):
-    """The adapter's function, or None (with the reason) when it has none or raises NotImplementedError."""
+    """The adapter's function's result and None, or None and why not (no such function, NotImplementedError)."""
     fn = getattr(adapter, name, None)
     if fn is None:
         return None, f"adapter has no {name}()"
@@ -196,24 +199,20 @@ def call(adapter, name, *args, **kwargs):
         return None, str(e) or f"{name}() is not implemented for this run"
 
 
-def rows_of(d, index, keys):
-    return {k: d[k][index] for k in keys if k in d}
-
-
-def grpo_batch(d):
+def whole_batch(d):
     mask = d["completion_mask"]
     return dict(d, num_seqs=len(mask), num_tokens=int(mask.sum()))
 
 
 def ppo_micro_batch(d):
-    """The dump's first micro-batch, with the new log-probs and values the loss used; the loss divides by its minibatch."""
-    idx = d["micro_index"] if "micro_index" in d else d["mb_index"]  # named mb_index by older dumps
+    """The dump's first micro-batch with the log-probs and values its loss used (divided by its minibatch's)."""
+    idx = d["micro_index"] if "micro_index" in d else d.get("mb_index")  # named mb_index in older dumps
+    if idx is None or "minibatch_index" not in d:
+        return None
+    batch = {k: v[idx] for k, v in d.items() if v.dim() > 0 and len(v) == len(d["completion_mask"])}
     minibatch = d["minibatch_index"]
-    keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logp", "ref_logp", "values", "returns", "advantages"]
-    batch = rows_of(d, idx, keys)
-    batch.update(new_logp=d["new_logp"], new_values=d["new_values"], num_seqs=len(minibatch),
-                 num_tokens=int(d["completion_mask"][minibatch].sum()), kl_coef=d["kl_coef"])  # fmt: skip
-    return batch
+    return dict(batch, new_logp=d["new_logp"], new_values=d["new_values"], kl_coef=d["kl_coef"],
+                num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
 
 
 def gradients(loss_fn, models):
@@ -221,7 +220,8 @@ def gradients(loss_fn, models):
         model.zero_grad(set_to_none=True)
         model.train()
     loss_fn().backward()
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for m in models for p in m.parameters()])
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
+    return torch.cat([g.flatten() for g in grads])
 
 
 def logprobs(adapter, model, batch, args):
@@ -231,66 +231,60 @@ def logprobs(adapter, model, batch, args):
 
 def check_pure(report, adapter, ref, step, d, args):
     """Everything computed from the stored tensors alone."""
-    mask = d["completion_mask"].float()
+    mask, batch = d["completion_mask"].float(), whole_batch(d)
     if args["script"] == "grpo":
-        batch = grpo_batch(d)
         adv, why = call(adapter, "group_advantages", batch, args)
-        if adv is not None:
-            adv = torch.as_tensor(adv)
-            report.add("advantages", step, adv, d["advantages"] if adv.dim() == 1 else d["advantages"][:, None] * mask,
-                       None if adv.dim() == 1 else mask, "group_advantages")  # fmt: skip
-        report.skip("advantages", why)
+        expected, per_token = d.get("advantages"), adv is not None and torch.as_tensor(adv).dim() == 2
+        if per_token and expected is not None:  # one advantage per token: compared on the real tokens
+            expected = expected[:, None] * mask
+        report.add("advantages", step, adv, expected, mask if per_token else None, "advantages")
         report.skip("returns", "GRPO has no returns")
-        loss_batch, loss_mask = batch, mask
+        loss_batch = batch
     else:
-        batch = dict(d, num_seqs=len(mask), num_tokens=int(mask.sum()))
         out, why = call(adapter, "gae", batch, args)
-        if out is not None:
-            report.add("advantages", step, out[0], d["advantages"], mask, "gae advantages")
-            report.add("returns", step, out[1], d["returns"], mask, "gae returns")
-        report.skip("advantages", why)
+        report.add("advantages", step, out and out[0], d.get("advantages"), mask, "advantages")
+        report.add("returns", step, out and out[1], d.get("returns"), mask, "returns")
         report.skip("returns", why)
         loss_batch = ppo_micro_batch(d)
-        loss_mask = loss_batch["completion_mask"].float()
+        if loss_batch is None:
+            for q in ("per-token loss", "loss", "gradient"):
+                report.skip(q, "the dump has no micro_index and minibatch_index (the first micro-batch's rows)")
+            loss_batch = batch
+    report.skip("advantages", why)
+    kl_batch = batch if args["script"] == "ppo" else loss_batch
     if args["script"] == "ppo" or args["beta"] > 0:
-        kl_batch = batch if args["script"] == "ppo" else loss_batch
         theirs, why = call(adapter, "kl", kl_batch, args)
-        if theirs is not None:
-            report.add("kl", step, theirs, ref.kl(kl_batch, args), kl_batch["completion_mask"].float(), "kl")
+        report.add("kl", step, theirs, ref.kl(kl_batch, args), kl_batch["completion_mask"].float(), "kl")
         report.skip("kl", why)
-    else:
-        report.skip("kl", "no KL term (--beta 0)")
+    report.skip("kl", "no KL term (--beta 0)")
+    if "new_logp" not in loss_batch:
+        return
     theirs, why = call(adapter, "per_token_loss", loss_batch, args)
-    if theirs is not None:
-        report.add("per-token loss", step, theirs, d["per_token_loss"], loss_mask, "per_token_loss")
+    report.add("per-token loss", step, theirs, d.get("per_token_loss"), loss_batch["completion_mask"].float(),
+               "per_token_loss")  # fmt: skip
     report.skip("per-token loss", why)
     theirs, why = call(adapter, "loss", loss_batch, args)
-    if theirs is not None:
-        report.add("loss", step, theirs, d["loss"], None, "loss")
+    report.add("loss", step, theirs, d.get("loss"), None, "loss")
     report.skip("loss", why)
 
 
-def check_weights(report, adapter, ref, step, d, args, policy, critic, initial):
-    """The checks that need the weights the step used: `policy` (and `critic`); `initial` is the reference."""
-    mask = d["completion_mask"].float()
-    batch = grpo_batch(d) if args["script"] == "grpo" else dict(d)
-    theirs, why = logprobs(adapter, policy, batch, args)
-    if theirs is not None:
-        expected = d["new_logp"] if args["script"] == "grpo" else d["old_logp"]
-        report.add("log-probs", step, theirs, expected, mask, "token_logprobs")
-        if "ref_logp" in d and (args["script"] == "grpo" or args["kl_coef"] > 0 or args["target_kl"] is not None):
-            theirs, _ = logprobs(adapter, initial, batch, args)
-            report.add("log-probs", step, theirs, d["ref_logp"], mask, "token_logprobs (reference)")
+def check_weights(report, adapter, ref, step, d, args, models, initial):
+    """Checks on the step's weights: models = [policy] (PPO: [policy, critic]); initial = the reference."""
+    mask, batch = d["completion_mask"].float(), whole_batch(d)
+    theirs, why = logprobs(adapter, models[0], batch, args)
+    key = "new_logp" if args["script"] == "grpo" else "old_logp"  # the log-probs of these weights
+    report.add("log-probs", step, theirs, d.get(key), mask, key)
+    if theirs is not None and "ref_logp" in d and (args["script"] == "grpo" or args["kl_coef"] > 0):
+        reference, _ = logprobs(adapter, initial, batch, args)
+        report.add("log-probs", step, reference, d["ref_logp"], mask, "ref_logp")
     report.skip("log-probs", why)
-    if getattr(adapter, "train_loss", None) is None:
-        return report.skip("gradient", "adapter has no train_loss()")
     loss_batch = batch if args["script"] == "grpo" else ppo_micro_batch(d)
-    models = [policy] if critic is None else [policy, critic]
-    ours = gradients(lambda: ref.train_loss(policy, loss_batch, args, critic=critic), models)
-    theirs_models = [copy.deepcopy(m) for m in models]
-    extra = {} if critic is None else dict(critic=theirs_models[1])
+    if getattr(adapter, "train_loss", None) is None or loss_batch is None:
+        return report.skip("gradient", "adapter has no train_loss()")
+    ours = gradients(lambda: ref.train_loss(models[0], loss_batch, args, *models[1:]), models)
+    copies = [copy.deepcopy(m) for m in models]
     try:
-        theirs = gradients(lambda: adapter.train_loss(theirs_models[0], loss_batch, args, **extra), theirs_models)
+        theirs = gradients(lambda: adapter.train_loss(copies[0], loss_batch, args, *copies[1:]), copies)
     except NotImplementedError as e:
         return report.skip("gradient", str(e))
     report.add("gradient", step, theirs, ours, None, "gradient")
@@ -298,18 +292,19 @@ def check_weights(report, adapter, ref, step, d, args, policy, critic, initial):
 
 def replay(ref, policy, opt, d, args, iterations):
     """`iterations` of grpo.py's optimizer steps on this step's batch, micro-batch by micro-batch."""
-    batch, N, size = grpo_batch(d), len(d["completion_mask"]), args["micro_batch_size"]
+    batch, N, size = whole_batch(d), len(d["completion_mask"]), args["micro_batch_size"]
     policy.train()
     for _ in range(iterations):
         opt.zero_grad(set_to_none=True)
         for i in range(0, N, size):
-            micro = {k: (v[i : i + size] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+            micro = {k: v[i : i + size] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
             ref.train_loss(policy, micro, args).backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), args["max_grad_norm"])
         opt.step()
 
 
 def verify(args, steps, adapter, options, tolerances):
+    """Every check on every step the dump allows: (Report, notes)."""
     ref = load_adapter("self")
     initial, critic = ref.initial_models(args)
     try:
@@ -321,37 +316,34 @@ def verify(args, steps, adapter, options, tolerances):
     for step in sorted(steps):
         check_pure(report, adapter, ref, step, steps[step], args)
     if 1 not in steps or args.get("resume"):
-        notes.append("the dump does not start at step 1 from --model: the weight checks need the initial weights")
-        for q in ("log-probs", "gradient", "update"):
-            report.skip(q, "no step 1")
+        notes.append("the dump does not start at step 1 from --model: no weight checks (they need its weights)")
         return report, notes
     policy = copy.deepcopy(initial)
     if args["script"] == "ppo":
-        check_weights(report, adapter, ref, 1, steps[1], args, policy, critic, initial)
+        check_weights(report, adapter, ref, 1, steps[1], args, [policy, critic], initial)
         if len(steps) > 1:
-            notes.append("PPO steps after 1: weight checks skipped (the dump keeps one micro-batch's rows, not every minibatch's)")
+            notes.append("PPO after step 1: no weight checks (the dump keeps one micro-batch's rows, not all)")
         report.skip("update", "PPO: not compared (several epochs over random minibatches)")
         return report, notes
-    mu = args["num_iterations"]
-    opt, scheduler = ref.optimizer(policy, args)
+    mu, (opt, scheduler) = args["num_iterations"], ref.optimizer(policy, args)
     for step in sorted(steps):
-        if step != 1 and step - 1 not in steps:
-            break
         d = steps[step]
-        if step > 1:  # the replayed weights must reproduce what the run stored, or the checks below mean nothing
+        if step > 1:  # the replayed weights must give what the run stored, or the checks below mean nothing
+            if step - 1 not in steps:
+                break
             with torch.no_grad():
-                ours = ref.token_logprobs(policy.eval(), grpo_batch(d), args)
-            diff = ((ours - (d["old_logp"] if mu > 1 else d["new_logp"])) * d["completion_mask"]).abs().max().item()
+                ours = ref.token_logprobs(policy.eval(), whole_batch(d), args)
+            diff = ((ours - d["old_logp" if mu > 1 else "new_logp"]) * d["completion_mask"]).abs().max().item()
             if diff > tolerances["log-probs"][1]:
-                notes.append(f"the weights replayed to step {step} differ from the run's (log-probs by {diff:.1e}): weight checks stop")
+                notes.append(f"weights replayed to step {step} miss its log-probs by {diff:.1e}: checks stop")
                 break
         replay(ref, policy, opt, d, args, mu - 1)  # the dump holds the last iteration
-        check_weights(report, adapter, ref, step, d, args, policy, None, initial)
+        check_weights(report, adapter, ref, step, d, args, [policy], initial)
         if step == 1 and mu == 1 and 2 in steps and hasattr(adapter, "update"):
             theirs = copy.deepcopy(initial)
-            adapter.update(theirs, grpo_batch(d), args)
+            adapter.update(theirs, whole_batch(d), args)
             with torch.no_grad():
-                after = ref.token_logprobs(theirs.eval(), grpo_batch(steps[2]), args)
+                after = ref.token_logprobs(theirs.eval(), whole_batch(steps[2]), args)
             report.add("update", 1, after, steps[2]["new_logp"], steps[2]["completion_mask"].float(), "update")
         replay(ref, policy, opt, d, args, 1)
         scheduler.step()
@@ -364,7 +356,7 @@ def main(argv=None):
     parser.add_argument("dump_dir", help="the --dump-dir of a grpo.py or ppo.py run")
     parser.add_argument("--against", default="self", help="adapter: self, trl, verl, or the path of a .py file")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
-    parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="override a tolerance")
+    parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
     opts = parser.parse_args(argv)
     try:
         tolerances = dict(TOLERANCES)
@@ -381,17 +373,16 @@ def main(argv=None):
     except VerifyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args['script']}.py dump {opts.dump_dir} (steps {min(steps)}-{max(steps)}) against {adapter.label}"
-          + (f" with {options}" if options else ""))  # fmt: skip
+    steps = f"steps {min(steps)}-{max(steps)}"
+    print(f"{args['script']}.py dump {opts.dump_dir} ({steps}) against {adapter.label} {options or ''}")
     print(report.table())
     for note in notes:
         print(f"note: {note}")
     differences = adapter.differences(args, options) if hasattr(adapter, "differences") else []
     failures = report.failures()
     if differences:
-        print("known differences for this run:" if failures else "known differences (within tolerance on this dump):")
-        for line in differences:
-            print(f"  - {line}")
+        print("known differences for this run:" if failures else "known differences (within tolerance here):")
+        print("\n".join(f"  - {line}" for line in differences))
     print(f"FAIL: {', '.join(failures)}" if failures else "all checks that ran passed")
     return 1 if failures else 0
 

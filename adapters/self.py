@@ -29,7 +29,8 @@ def gae(batch, args):
 def token_logprobs(model, batch, args):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    return common.token_logprobs(model, input_ids, attention_mask, batch["completion_mask"], args["temperature"])
+    mask = batch["completion_mask"]
+    return common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"])
 
 
 def _loss(new_logp, batch, args, new_values=None):
@@ -38,9 +39,10 @@ def _loss(new_logp, batch, args, new_values=None):
     if args["script"] == "ppo":
         return ppo.ppo_loss(new_logp, batch["old_logp"], batch["advantages"], new_values, batch["values"],
                             batch["returns"], mask, batch["num_tokens"], flags)  # fmt: skip
-    old_logp = batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach()  # mu = 1: the ratio is 1
+    old_logp = batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach()  # mu = 1: ratio 1
     ref_logp = batch["ref_logp"] if args["beta"] > 0 else None
-    return grpo.grpo_loss(new_logp, old_logp, ref_logp, batch["advantages"], mask, batch["num_seqs"], batch["num_tokens"], flags)
+    return grpo.grpo_loss(new_logp, old_logp, ref_logp, batch["advantages"], mask, batch["num_seqs"],
+                          batch["num_tokens"], flags)  # fmt: skip
 
 
 def kl(batch, args):
@@ -84,8 +86,9 @@ def initial_models(args):
     """The models step 1 started from: the policy (also the reference) and, for PPO, the critic."""
     device = torch.device("cpu")
     policy = models.load_causal_lm(args["model"], device)
-    critic = ppo.load_critic(args["critic_model"] or args["model"], device) if args["script"] == "ppo" else None
-    return policy, critic
+    if args["script"] == "grpo":
+        return policy, None
+    return policy, ppo.load_critic(args["critic_model"] or args["model"], device)
 
 
 def optimizer(model, args):

@@ -27,7 +27,7 @@ try:
 except ImportError as e:
     raise ImportError(f"{e.msg}: the trl adapter needs TRL (pip install -r requirements-extra.txt)") from None
 
-OPTIONS = {"use_bias_correction_kl": True}  # TRL's default; --set use_bias_correction_kl=false matches grpo.py's
+OPTIONS = {"use_bias_correction_kl": True}  # TRL's default; --set use_bias_correction_kl=false is grpo.py's
 LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}
 state = {}
 
@@ -36,31 +36,34 @@ def differences(args, options):
     """The known differences between TRL and grpo.py that this dump's flags switch on."""
     out = []
     if options["use_bias_correction_kl"] != bool(args.get("bias_corrected_kl")) and args["beta"] > 0:
-        out.append(f"TRL use_bias_correction_kl={options['use_bias_correction_kl']}, grpo.py --bias-corrected-kl "
-                   f"{bool(args.get('bias_corrected_kl'))}: the k3 term is weighted by the ratio exp(logp - old_logp) "
-                   "in one of them (same value at ratio 1, its gradient gains beta * kl * grad logp): pass "
-                   "--bias-corrected-kl to grpo.py, or --set use_bias_correction_kl=false here")  # fmt: skip
+        ours, theirs = bool(args.get("bias_corrected_kl")), options["use_bias_correction_kl"]
+        out.append(f"TRL use_bias_correction_kl={theirs}, grpo.py --bias-corrected-kl {ours}: one of them "
+                   "weights the k3 term by the ratio exp(logp - old_logp) (the same value at ratio 1, but its "
+                   "gradient gains beta * kl * grad logp): pass --bias-corrected-kl to grpo.py, or --set "
+                   "use_bias_correction_kl=false here")  # fmt: skip
     if args["weight_decay"] > 0 and args.get("decay_norms_and_biases", True):
-        out.append("the HF Trainer leaves biases and norm weights out of weight decay, grpo.py decays every weight: "
-                   "the update differs by lr * weight_decay * w on those weights")  # fmt: skip
+        out.append("the HF Trainer leaves biases and norm weights out of weight decay, grpo.py decays every "
+                   "weight: the update differs by lr * weight_decay * w on those weights")  # fmt: skip
     if args["warmup_steps"] > 0:
-        out.append("warmup: grpo.py's step s uses lr * (s + 1) / (warmup + 1), the HF Trainer's lr * s / warmup")
+        out.append("warmup: grpo.py's step s has lr * (s + 1) / (warmup + 1), the HF Trainer's lr * s / warmup")
     return out
 
 
 def setup(args, options, model):
-    """A GRPOTrainer around `model` (the initial weights) with the run's settings; TRL loads its own reference."""
+    """A GRPOTrainer around `model` (the initial weights), set as the run; TRL loads its own reference."""
     if args["script"] != "grpo":
-        raise NotImplementedError("it covers GRPOTrainer only (TRL 1.16 ships no PPO trainer): use --against verl")
+        raise NotImplementedError("it covers GRPOTrainer (TRL 1.16 ships no PPO trainer): use --against verl")
     with _quiet_warnings():  # transformers' deprecation notices about fields TRL still sets
         config = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="verify-trl-"), report_to=[], use_cpu=True, bf16=False, seed=args["seed"],
-            per_device_train_batch_size=args["prompts_per_step"] * args["group_size"], gradient_accumulation_steps=1,
-            num_generations=args["group_size"], max_completion_length=args["max_new_tokens"], temperature=args["temperature"],
-            beta=args["beta"], epsilon=args["clip_low"], epsilon_high=args["clip_high"], num_iterations=args["num_iterations"],
+            output_dir=tempfile.mkdtemp(prefix="verify-trl-"), report_to=[], use_cpu=True, bf16=False,
+            seed=args["seed"], per_device_train_batch_size=args["prompts_per_step"] * args["group_size"],
+            gradient_accumulation_steps=1, num_generations=args["group_size"],
+            max_completion_length=args["max_new_tokens"], temperature=args["temperature"], beta=args["beta"],
+            epsilon=args["clip_low"], epsilon_high=args["clip_high"], num_iterations=args["num_iterations"],
             loss_type=LOSS_TYPES[args["loss_agg"]], scale_rewards=args["scale_rewards"],
-            importance_sampling_level=args["importance_level"], use_bias_correction_kl=options["use_bias_correction_kl"],
-            learning_rate=args["learning_rate"], weight_decay=args["weight_decay"], max_grad_norm=args["max_grad_norm"],
+            importance_sampling_level=args["importance_level"],
+            use_bias_correction_kl=options["use_bias_correction_kl"], learning_rate=args["learning_rate"],
+            weight_decay=args["weight_decay"], max_grad_norm=args["max_grad_norm"],
             lr_scheduler_type="constant", save_strategy="no", logging_strategy="no",
         )  # fmt: skip
     tokenizer = state["tokenizer"] = _tokenizer(model)
@@ -96,7 +99,8 @@ def _stored_rollout(prompts, trainer):
     """In place of sampling: the dump's prompt and completion ids, unpadded (TRL pads them itself)."""
     batch = state["batch"]
     prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
-    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch["completion_ids"], batch["completion_mask"])]
+    completion = zip(batch["completion_ids"], batch["completion_mask"])
+    completion_ids = [ids[m.bool()].tolist() for ids, m in completion]
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
@@ -111,9 +115,10 @@ def _prepare(batch):
             for i, (ids, m) in enumerate(zip(batch["prompt_ids"], batch["prompt_mask"]))]  # fmt: skip
     with _quiet_warnings():
         inputs = state["trainer"]._generate_and_score_completions(rows)
-    for ours, theirs in (("prompt_ids", "prompt_ids"), ("completion_mask", "completion_mask")):
-        if inputs[theirs].shape != batch[ours].shape or not torch.equal(inputs[theirs].cpu(), batch[ours].cpu()):
-            raise ValueError(f"TRL's {theirs} {tuple(inputs[theirs].shape)} differ from the dump's {tuple(batch[ours].shape)}")
+    for key in ("prompt_ids", "completion_mask"):  # TRL pads them itself: it must land on the dump's
+        theirs, ours = inputs[key].cpu(), batch[key].cpu()
+        if theirs.shape != ours.shape or not torch.equal(theirs, ours):
+            raise ValueError(f"TRL's {key} {tuple(theirs.shape)} differ from the dump's {tuple(ours.shape)}")
     if batch.get("old_logp") is not None and state["trainer"].num_iterations > 1:
         inputs["old_per_token_logps"] = batch["old_logp"]  # the sampling policy's, as the run froze them
     return inputs
@@ -182,7 +187,7 @@ def train_loss(model, batch, args, critic=None):
 
 
 def update(model, batch, args):
-    """One step of the optimizer TRL's Trainer builds (its weight-decay groups), after clipping the grad norm."""
+    """One step of the optimizer TRL's Trainer builds (its weight-decay groups), the gradient norm clipped."""
     trainer = state["trainer"]
     trainer.model, trainer.optimizer = _patched(model, args), None
     optimizer = trainer.create_optimizer()

@@ -25,7 +25,7 @@ try:
     from verl.utils.model import compute_position_id_with_mask
     from verl.workers.config import ActorConfig
 except ImportError as e:
-    raise ImportError(f"{e.msg}: verl is not importable (PYTHONPATH=.verl-site, see adapters/verl.py)") from None
+    raise ImportError(f"{e.msg}: verl is not importable (adapters/verl.py: PYTHONPATH=.verl-site)") from None
 
 # verl's defaults: GRPO's eps 1e-6 (grpo.py: 1e-4); seq-mean-token-sum-norm divides by the padded width
 # unless loss_scale_factor is set (grpo.py: max_new_tokens).
@@ -44,8 +44,9 @@ def differences(args, chosen):
         out.append(f"GRPO advantages: verl divides by std + {chosen['epsilon']:g}, grpo.py by std + 1e-4 "
                    "(--set epsilon=1e-4 matches)")  # fmt: skip
     if args["script"] == "ppo":
-        out.append("GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), ppo.py with the "
-                   "population variance; verl also carries values across masked holes (a dump has none)")
+        out.append("GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), "
+                   "ppo.py with the population variance; verl also carries values across masked holes (dumps "
+                   "have none)")
     if args.get("loss_agg") == "seq-mean-token-sum-norm" and not chosen["loss_scale_factor"]:
         out.append("seq-mean-token-sum-norm: verl divides by the padded width T, grpo.py by --max-new-tokens "
                    f"({args['max_new_tokens']}): they agree only when a completion reaches it "
@@ -53,8 +54,8 @@ def differences(args, chosen):
     if args.get("loss_agg", "").startswith("seq-mean"):
         out.append("seq-mean aggregations: verl averages over non-empty sequences, grpo.py over all (the same "
                    "unless a completion has no token)")
-    out.append("verl's dual-clip (clip_ratio_c 3, for negative advantages) and its k3 clamp to [-10, 10] act only "
-               "on extreme ratios")  # fmt: skip
+    out.append("verl's dual-clip (clip_ratio_c 3, for negative advantages) and its k3 clamp to [-10, 10] act "
+               "only on extreme ratios")  # fmt: skip
     return out
 
 
@@ -62,24 +63,26 @@ def _config(args, batch):
     """verl's actor config for this run, with the batch's global denominators (as its ppo_loss sets them)."""
     config = ActorConfig(strategy="fsdp", rollout_n=args.get("group_size", 1), use_dynamic_bsz=True,
                          clip_ratio_low=args["clip_low"], clip_ratio_high=args["clip_high"])  # fmt: skip
-    config.global_batch_info.update(dp_size=1, batch_num_tokens=batch["num_tokens"], global_batch_size=batch["num_seqs"],
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=batch["num_tokens"],
+                                    global_batch_size=batch["num_seqs"],
                                     loss_scale_factor=options["loss_scale_factor"] or None)  # fmt: skip
     return config
 
 
 def _no_bias_correction(args):
     if args["script"] == "grpo" and args["beta"] > 0 and args.get("bias_corrected_kl"):
-        raise NotImplementedError("verl has no ratio-weighted k3 (--bias-corrected-kl); its 'k3+' is another estimator")
+        raise NotImplementedError("verl has no ratio-weighted k3 (--bias-corrected-kl); its k3+ is another one")
 
 
 def group_advantages(batch, args):
     if args["scale_rewards"] == "batch":
         raise NotImplementedError("verl's GRPO divides by the group's std or by nothing, never the batch's")
     mask = batch["completion_mask"]
-    rewards = torch.zeros(mask.shape) + batch["rewards"][:, None] * (torch.arange(mask.shape[1]) == 0)  # summed by verl
-    index = np.arange(len(mask)) // args["group_size"]
+    rewards = batch["rewards"][:, None] * (torch.arange(mask.shape[1]) == 0)  # [N, T]: verl sums each row
+    index = np.arange(len(mask)) // args["group_size"]  # the group of each completion
+    scale = args["scale_rewards"] != "none"
     advantages, _ = core_algos.compute_grpo_outcome_advantage(
-        rewards, mask, index, epsilon=options["epsilon"], norm_adv_by_std_in_grpo=args["scale_rewards"] != "none"
+        rewards, mask, index, epsilon=options["epsilon"], norm_adv_by_std_in_grpo=scale
     )
     return advantages
 
@@ -114,14 +117,18 @@ def _losses(new_logp, batch, args, agg, mask, new_values=None):
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
     policy_loss = core_algos.compute_policy_loss_gspo if args.get("importance_level") == "sequence" else \
         core_algos.compute_policy_loss_vanilla  # fmt: skip
-    advantages = batch["advantages"] if args["script"] == "ppo" else batch["advantages"][:, None].expand_as(mask)
+    advantages = batch["advantages"]
+    if args["script"] == "grpo":
+        advantages = advantages[:, None].expand_as(mask)
     loss, _ = policy_loss(old_logp, new_logp, advantages, mask, agg, config)
     if args["script"] == "grpo" and args["beta"] > 0:
         kld = core_algos.kl_penalty(new_logp, batch["ref_logp"], "low_var_kl")
         loss = loss + args["beta"] * core_algos.agg_loss(kld, mask, agg, **config.global_batch_info)
     if args["script"] == "ppo":
-        v_loss, _ = core_algos.compute_value_loss(new_values, batch["returns"], batch["values"], mask,
-                                                  args["cliprange_value"], agg, **config.global_batch_info)  # fmt: skip
+        v_loss, _ = core_algos.compute_value_loss(
+            new_values, batch["returns"], batch["values"], mask, args["cliprange_value"], agg,
+            **config.global_batch_info,
+        )  # fmt: skip
         loss = loss + args["vf_coef"] * v_loss
     return loss
 
@@ -138,7 +145,8 @@ def _agg(args):
 
 
 def loss(batch, args):
-    return _losses(batch["new_logp"], batch, args, _agg(args), batch["completion_mask"], batch.get("new_values"))
+    mask = batch["completion_mask"]
+    return _losses(batch["new_logp"], batch, args, _agg(args), mask, batch.get("new_values"))
 
 
 def train_loss(model, batch, args, critic=None):

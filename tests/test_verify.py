@@ -16,7 +16,8 @@ FIELDS = dict(seed=3, prompts_per_step=3, group_size=4, max_new_tokens=4, sample
 
 
 def grpo_dump(folder, **flags):
-    grpo.main(grpo.Args(**{**FIELDS, "num_steps": 2, **flags}, output_dir=str(folder / "runs"), dump_dir=str(folder / "dump")))
+    fields = {**FIELDS, "num_steps": 2, **flags}
+    grpo.main(grpo.Args(**fields, output_dir=str(folder / "runs"), dump_dir=str(folder / "dump")))
     return str(folder / "dump")
 
 
@@ -52,10 +53,11 @@ def test_self_check_passes(dumps, capsys, script):
     code, out, _ = run(capsys, dumps[script], "--against", "self")
     assert code == 0, out
     results = rows(out)
-    expected = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"] + (["update"] if script == "grpo" else ["returns"])
+    expected = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"]
+    expected += ["update"] if script == "grpo" else ["returns"]
     assert all(results[q] == "pass" for q in expected), out
-    if script == "grpo":
-        assert "| log-probs | 1,2 |" in out and "| gradient | 1,2 |" in out  # step 2 ran on the replayed weights
+    if script == "grpo":  # step 2 ran on the replayed weights
+        assert "| log-probs | 1,2 |" in out and "| gradient | 1,2 |" in out
 
 
 def test_a_wrong_implementation_fails(dumps, capsys, tmp_path):
@@ -111,7 +113,8 @@ def token_logprobs(model, batch, args):
     return torch.zeros(len(batch["completion_mask"]), batch["completion_mask"].shape[1] + 1)
 """)
     code, out, err = run(capsys, dumps["grpo"], "--against", adapter)
-    assert code == 2 and err.strip() == "error: the adapter's token_logprobs at step 1 has shape (12, 5), the dump's (12, 4)"
+    assert code == 2
+    assert err.strip() == "error: step 1: the adapter's log-probs are (12, 5), the dump's new_logp (12, 4)"
 
 
 def test_an_inconsistent_dump_gets_one_line(dumps, capsys, tmp_path):
@@ -132,7 +135,8 @@ def test_an_inconsistent_dump_gets_one_line(dumps, capsys, tmp_path):
 @pytest.mark.slow
 def test_the_command_line(dumps):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "verify.py"), dumps["ppo"]], env=env, capture_output=True, text=True)
+    argv = [sys.executable, os.path.join(ROOT, "verify.py"), dumps["ppo"]]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "all checks that ran passed" in out.stdout, out.stderr
 
 
@@ -164,7 +168,8 @@ def test_trl_loss_types(capsys, tmp_path, loss_agg):
 @pytest.mark.slow
 def test_trl_weight_decay_is_named(capsys, tmp_path):
     pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
-    code, out, _ = run(capsys, grpo_dump(tmp_path, beta=0.1, weight_decay=0.1, bias_corrected_kl=True), "--against", "trl")
+    dump = grpo_dump(tmp_path, beta=0.1, weight_decay=0.1, bias_corrected_kl=True)
+    code, out, _ = run(capsys, dump, "--against", "trl")
     assert code == 1 and rows(out)["update"] == "FAIL" and rows(out)["gradient"] == "pass", out
     assert "the HF Trainer leaves biases and norm weights out of weight decay" in out
 
