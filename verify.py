@@ -141,7 +141,7 @@ class Report:
     """One row per quantity: the worst difference over the steps checked, or why it was skipped."""
 
     def __init__(self, tolerances):
-        self.rows = {q: dict(steps=[], abs=0.0, rel=0.0, skip=None) for q in QUANTITIES}
+        self.rows = {q: dict(steps={}, abs=0.0, rel=0.0, skip=None) for q in QUANTITIES}  # steps: {step: diffs}
         self.tolerances = tolerances
 
     def skip(self, quantity, reason):
@@ -161,12 +161,12 @@ class Report:
         if mask is not None:
             actual, expected = actual * mask, expected * mask
         diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-        row = self.rows[quantity]
-        row["abs"] = max(row["abs"], diff)
         scale = expected.abs().max().item() if expected.numel() else 0.0
-        row["rel"] = max(row["rel"], diff / max(scale, 1e-30))
+        row, diffs = self.rows[quantity], dict(abs=diff, rel=diff / max(scale, 1e-30))
+        for kind, value in diffs.items():
+            row[kind] = max(row[kind], value)
+        row["steps"][step] = {k: max(v, row["steps"].get(step, {}).get(k, 0.0)) for k, v in diffs.items()}
         row["skip"] = None
-        row["steps"] += [] if step in row["steps"] else [step]
 
     def passed(self, quantity):
         row, (kind, tol) = self.rows[quantity], self.tolerances[quantity]
@@ -178,6 +178,8 @@ class Report:
             kind, tol = self.tolerances[q]
             if row["steps"]:
                 steps, result = ",".join(map(str, sorted(row["steps"]))), "pass" if self.passed(q) else "FAIL"
+                failing = [str(s) for s, diffs in sorted(row["steps"].items()) if diffs[kind] > tol]
+                result += f" at step {','.join(failing)}" if failing else ""
                 diffs = f"{row['abs']:.2e} | {row['rel']:.2e}"
                 lines.append(f"| {q} | {steps} | {diffs} | {kind} {tol:.0e} | {result} |")
             elif row["skip"]:
@@ -374,7 +376,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     steps = f"steps {min(steps)}-{max(steps)}"
-    print(f"{args['script']}.py dump {opts.dump_dir} ({steps}) against {adapter.label} {options or ''}")
+    with_options = f" {options}" if options else ""
+    print(f"{args['script']}.py dump {opts.dump_dir} ({steps}) against {adapter.label}{with_options}")
     print(report.table())
     for note in notes:
         print(f"note: {note}")

@@ -73,7 +73,7 @@ def train_loss(model, batch, args, critic=None):
 """)
     code, out, _ = run(capsys, dumps["grpo"], "--against", adapter)
     assert code == 1
-    assert rows(out)["advantages"] == "FAIL" and rows(out)["gradient"] == "FAIL"
+    assert rows(out)["advantages"].startswith("FAIL") and rows(out)["gradient"].startswith("FAIL")
     assert rows(out)["kl"].startswith("skip: adapter has no kl()")
     assert out.strip().endswith("FAIL: advantages, gradient")
 
@@ -89,7 +89,7 @@ def test_a_tampered_dump_fails(dumps, capsys, tmp_path):
     d["loss"] = d["loss"] + 1e-4
     save_file(d, copy / "step000002.safetensors")
     code, out, _ = run(capsys, copy, "--against", "self")
-    assert code == 1 and rows(out)["loss"] == "FAIL" and rows(out)["per-token loss"] == "pass"
+    assert code == 1 and rows(out)["loss"].startswith("FAIL") and rows(out)["per-token loss"] == "pass"
 
 
 def test_bad_input_gets_one_line(dumps, capsys, tmp_path):
@@ -149,7 +149,7 @@ def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsy
     assert code == 0, out
     assert all(r == "pass" for q, r in rows(out).items() if q != "returns"), out
     code, out, _ = run(capsys, dumps["grpo"], "--against", "trl")  # TRL's default: the bias-corrected k3
-    assert code == 1 and rows(out)["gradient"] == "FAIL" and rows(out)["loss"] == "pass", out
+    assert code == 1 and rows(out)["gradient"] == "FAIL at step 2" and rows(out)["loss"] == "pass", out
     assert "TRL use_bias_correction_kl=True, grpo.py --bias-corrected-kl False" in out
 
 
@@ -170,7 +170,7 @@ def test_trl_weight_decay_is_named(capsys, tmp_path):
     pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
     dump = grpo_dump(tmp_path, beta=0.1, weight_decay=0.1, bias_corrected_kl=True)
     code, out, _ = run(capsys, dump, "--against", "trl")
-    assert code == 1 and rows(out)["update"] == "FAIL" and rows(out)["gradient"] == "pass", out
+    assert code == 1 and rows(out)["update"].startswith("FAIL") and rows(out)["gradient"] == "pass", out
     assert "the HF Trainer leaves biases and norm weights out of weight decay" in out
 
 
