@@ -25,8 +25,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SKIP = shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache", ".venv", "venv", ".benchmarks", "*.pyc")
 
 
@@ -59,23 +58,9 @@ def main():
     parser.add_argument("--timeout", type=int, default=240, help="seconds per pytest run (default 240)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each selection")
     parser.add_argument("--rev", metavar="REV", help="mutate this git revision (git archive) instead of the working tree")
-    parser.add_argument("--mutants", default=os.path.join(HERE, "mutants.py"), metavar="FILE.py",
-                        help="a file defining MUTANTS in the same format (default: mutants.py beside this script)")
+    parser.add_argument("--mutants", metavar="FILE.py",
+                        help="a file defining MUTANTS in the same format (default: the copy's tests/mutants/mutants.py)")
     args = parser.parse_args()
-    namespace = {}
-    with open(args.mutants, encoding="utf-8") as f:
-        exec(compile(f.read(), args.mutants, "exec"), namespace)
-    MUTANTS = namespace["MUTANTS"]
-
-    names = [m["name"] for m in MUTANTS]
-    assert len(set(names)) == len(names), "mutant names must be unique"
-    mutants = [m for m in MUTANTS if not args.only or m["name"] in args.only]
-    if args.only and len(mutants) != len(set(args.only)):
-        sys.exit(f"unknown mutant(s): {', '.join(sorted(set(args.only) - set(names)))}")
-    if args.list:
-        for m in mutants:
-            print(f"{m['name']:<40} {m['file']:<15} {m['what']}")
-        return 0
 
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         repo = os.path.join(tmp, "repo")
@@ -85,7 +70,21 @@ def main():
             subprocess.run(["tar", "-x", "-C", repo], input=archive, check=True)
         else:
             shutil.copytree(ROOT, repo, ignore=SKIP)
-        print(f"copied {ROOT} ({args.rev or 'working tree'}) to {repo}; {len(mutants)} mutants", flush=True)
+        # By default the list of the copied snapshot, so its snippets are those of the code it mutates.
+        path = args.mutants or os.path.join(repo, "tests", "mutants", "mutants.py")
+        namespace = {}
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+        names = [m["name"] for m in namespace["MUTANTS"]]
+        assert len(set(names)) == len(names), "mutant names must be unique"
+        mutants = [m for m in namespace["MUTANTS"] if not args.only or m["name"] in args.only]
+        if args.only and len(mutants) != len(set(args.only)):
+            sys.exit(f"unknown mutant(s): {', '.join(sorted(set(args.only) - set(names)))}")
+        if args.list:
+            for m in mutants:
+                print(f"{m['name']:<40} {m['file']:<15} {m['what']}")
+            return 0
+        print(f"copied {ROOT} ({args.rev or 'working tree'}) to {repo}; {len(mutants)} mutants from {path}", flush=True)
 
         if not args.no_baseline:
             selections = list(dict.fromkeys(tuple(m["tests"]) for m in mutants))
