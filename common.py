@@ -194,6 +194,22 @@ def autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def adamw_param_groups(model, weight_decay, decay_norms_and_biases=True):
+    """AdamW parameter groups: weight decay on every weight, or, as the HF Trainer (TRL) does, not on biases
+    and norm weights (its name patterns and LayerNorm modules)."""
+    if decay_norms_and_biases:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    spared = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], spared))
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n in decayed], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
+    ]
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of `x` over the positions where `mask` is 1: sum(x * m) / sum(m), over `dim` or everything.
 

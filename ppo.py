@@ -53,7 +53,7 @@ class Args(bookkeeping.RunArgs):
     """task to train on (see tasks.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
     """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
-    num_steps: int = 250
+    num_steps: int = 350
     """training steps; each samples prompts_per_step * samples_per_prompt completions"""
     prompts_per_step: int = 64
     """distinct prompts per step"""
@@ -63,12 +63,14 @@ class Args(bookkeeping.RunArgs):
     """longest completion, in tokens"""
     temperature: float = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
-    learning_rate: float = 3e-4
+    learning_rate: float = 5e-4
     """AdamW learning rate of the policy"""
-    critic_learning_rate: float = 3e-4
+    critic_learning_rate: float = 5e-4
     """AdamW learning rate of the critic"""
     weight_decay: float = 0.0
-    """AdamW weight decay (decoupled), on every weight of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
+    """AdamW weight decay (decoupled), of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
+    decay_norms_and_biases: bool = True
+    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
@@ -317,10 +319,8 @@ def main(args, flags_given=()):
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = models.eos_token_ids(policy, tokenizer)
-    optimizer = torch.optim.AdamW(
-        [{"params": policy.parameters(), "lr": args.learning_rate}, {"params": critic.parameters(), "lr": args.critic_learning_rate}],
-        weight_decay=args.weight_decay,
-    )
+    optimizer = torch.optim.AdamW([dict(group, lr=lr) for model, lr in ((policy, args.learning_rate), (critic, args.critic_learning_rate))
+                                   for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef

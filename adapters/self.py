@@ -93,6 +93,7 @@ def initial_models(args):
 
 def optimizer(model, args):
     """AdamW and the warmup schedule exactly as grpo.py builds them, to replay its updates."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args["learning_rate"], weight_decay=args["weight_decay"])
+    groups = common.adamw_param_groups(model, args["weight_decay"], args.get("decay_norms_and_biases", True))
+    opt = torch.optim.AdamW(groups, lr=args["learning_rate"])
     warmup = args["warmup_steps"]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))

@@ -26,7 +26,7 @@ import verify  # noqa: E402
 
 GROUP = dict(scale_rewards="group")
 MODES = {
-    "GRPO paper (group std, seq-mean-token-mean, beta 0.1)": ("grpo", dict(GROUP, beta=0.1)),
+    "GRPO paper (group std, seq-mean-token-mean, beta 0.1)": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=False)),
     "GRPO, --bias-corrected-kl": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True)),
     "DAPO (token-mean, clip-high 0.28, beta 0)": ("grpo", dict(GROUP, loss_agg="token-mean", clip_high=0.28,
                                                              beta=0.0)),

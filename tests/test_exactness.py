@@ -122,3 +122,16 @@ def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
     T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50)).save_pretrained(str(tmp_path / "t5"))
     with pytest.raises(errors.UsageError, match="is a t5 model, not a decoder-only causal LM"):
         models.load_causal_lm(str(tmp_path / "t5"), CPU)
+
+
+def test_no_decay_on_norms_and_biases_spares_exactly_those(tiny_model):
+    """--no-decay-norms-and-biases: the HF Trainer's (TRL's) groups, decay on every matrix but no norm weight or bias."""
+    decayed, spared = common.adamw_param_groups(tiny_model, 0.1, decay_norms_and_biases=False)
+    names = {id(p): n for n, p in tiny_model.named_parameters()}
+    spared_names = {names[id(p)] for p in spared["params"]}
+    assert spared["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.1 and spared_names
+    assert all("norm" in n or n.endswith("bias") for n in spared_names)
+    assert all("norm" not in names[id(p)] and not names[id(p)].endswith("bias") for p in decayed["params"])
+    assert len(decayed["params"]) + len(spared["params"]) == len(list(tiny_model.parameters()))
+    (every,) = common.adamw_param_groups(tiny_model, 0.1)
+    assert len(every["params"]) == len(list(tiny_model.parameters())) and every["weight_decay"] == 0.1
