@@ -217,8 +217,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
 
 
 def test_the_critic_has_no_dropout():
-    """The token-classification head brings a Dropout(0.1) that no config key sets; left on, the critic's
-    values would depend on its train/eval mode, and a resumed run (fresh model, eval mode) would differ."""
+    """A dropout left on in the critic (a config key, or a head's module) would make its values depend on its
+    train/eval mode, and a resumed run (fresh model, eval mode) would differ: train mode computes what eval does."""
     critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
-    dropouts = [m for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
-    assert dropouts and all(m.p == 0 for m in dropouts)
+    assert all(m.p == 0 for m in critic.modules() if isinstance(m, torch.nn.Dropout))
+    torch.nn.init.normal_(critic.value_head.weight)
+    input_ids, attention_mask = torch.tensor([[0, 5, 6, 7, 8, 1]]), torch.tensor([[0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        trained = [critic.train()(input_ids, attention_mask) for _ in range(2)]
+        evaluated = critic.eval()(input_ids, attention_mask)
+    assert torch.equal(trained[0], trained[1]) and torch.equal(trained[0], evaluated)
