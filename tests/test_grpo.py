@@ -100,16 +100,17 @@ def test_variants_run(tmp_path):
 
 @pytest.mark.slow
 def test_training_improves_reward(tmp_path):
-    # Measured over seeds 1-8: first 10% 0.05-0.08 -> last 10% 0.18-0.35, a gain of at least 0.12
-    # (seed 1: 0.07 -> 0.34); ~40 s on one core.
-    # The settings are pinned, not the preset's, so a retuned preset cannot void the measured margin.
+    # The default run's settings, 200 of its 600 steps. Measured over seeds 1-10: first 10% 0.039-0.050 ->
+    # last 10% 0.61-0.92 (seed 1: 0.045 -> 0.606); ~40 s on one core.
+    # The settings are pinned, not the defaults, so retuned defaults cannot void the measured margin.
     num_steps = 200
     args = grpo.Args(
-        seed=1, num_steps=num_steps, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=2e-3,
-        beta=0.0, scale_rewards="group", micro_batch_size=128, output_dir=str(tmp_path), sample_every=0,
+        seed=1, num_steps=num_steps, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=5e-4,
+        beta=0.08, bias_corrected_kl=True, scale_rewards="batch", micro_batch_size=128, output_dir=str(tmp_path),
+        sample_every=0,
     )  # fmt: skip
     rewards = grpo.main(args)
     assert len(rewards) == num_steps
     n = num_steps // 10
     first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
-    assert last > first + 0.08, f"reward first 10% {first:.3f} -> last 10% {last:.3f}"
+    assert last > first + 0.4, f"reward first 10% {first:.3f} -> last 10% {last:.3f}"
