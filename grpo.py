@@ -5,7 +5,7 @@ completions, score them, and use each completion's reward standardised within it
 advantage of every one of its tokens. The loss is the PPO-clip surrogate plus a k3 KL term to a
 frozen reference model.
 
-    python grpo.py                                                   # tiny model, copy task, CPU, ~1.5 min
+    python grpo.py                                                   # tiny model, copy task, CPU, ~2 min
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets HUB_DEFAULTS
     python grpo.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --clip-high 0.28 --loss-agg token-mean                   # DAPO's clip-higher + token mean

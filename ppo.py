@@ -6,7 +6,7 @@ of every prefix; the per-token reward is the task's score at the last real token
 KL penalty to a frozen reference; advantages come from GAE over the critic's values; the loss is
 the PPO-clip surrogate plus a clipped value loss, for several epochs over minibatches.
 
-    python ppo.py                                                    # tiny model, copy task, CPU, ~1.5 min
+    python ppo.py                                                    # tiny model, copy task, CPU, ~3 min
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets HUB_DEFAULTS
     python ppo.py --target-kl 0.1                                    # adaptive KL coefficient
 
