@@ -80,7 +80,10 @@ def test_grpo_dump_recomputes(variant, tmp_path):
             logratio = common.masked_mean(logratio, mask, dim=1)[:, None].expand_as(logratio)
         per_token_loss = grpo.clipped_policy_loss(logratio, advantages[:, None], a["clip_low"], a["clip_high"])
         if a["beta"] > 0:
-            per_token_loss = per_token_loss + a["beta"] * ppo.kl_estimate(d["new_logp"], d["ref_logp"], "k3")
+            kl = ppo.kl_estimate(d["new_logp"], d["ref_logp"], "k3")
+            if a["bias_corrected_kl"]:  # the default: weighted by the ratio, 1 only while the policy has not moved
+                kl = kl * torch.exp(logratio)
+            per_token_loss = per_token_loss + a["beta"] * kl
         else:
             assert "ref_logp" not in d
         close(d["per_token_loss"], per_token_loss * mask)

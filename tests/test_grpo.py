@@ -77,7 +77,8 @@ def test_variants_run(tmp_path):
     """
     beta = 0.1
     args = quick_args(
-        tmp_path, beta=beta, num_iterations=2, importance_level="sequence", micro_batch_size=4, loss_agg="token-mean",
+        tmp_path, beta=beta, bias_corrected_kl=False, num_iterations=2, importance_level="sequence", micro_batch_size=4,
+        loss_agg="token-mean",
         scale_rewards="batch", clip_high=0.28, learning_rate=1e-2, dump_dir=str(tmp_path / "dump"),
     )  # fmt: skip
     rewards = grpo.main(args)

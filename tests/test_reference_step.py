@@ -253,11 +253,11 @@ def check_rollout(d, rows, per_prompt, tokenizer):
 GRPO_VARIANTS = {
     # The paper: group std, per-sequence token mean, the k3 term, two updates per batch, uneven micro-batches.
     "paper-mu2-kl": dict(scale_rewards="group", loss_agg="seq-mean-token-mean", beta=0.05, num_iterations=2,
-                         clip_low=0.2, clip_high=0.28, micro_batch_size=5),
+                         clip_low=0.2, clip_high=0.28, micro_batch_size=5, bias_corrected_kl=False),
     # GSPO: one ratio per completion (the mean over its real tokens), a tight clip, token mean.
     "gspo": dict(importance_level="sequence", scale_rewards="batch", loss_agg="token-mean", beta=0.0, num_iterations=2,
                  clip_low=0.02, clip_high=0.03, micro_batch_size=4, learning_rate=3e-4),
-    # Dr. GRPO: no std, a constant normaliser; one update per batch (ratio 1).
+    # Dr. GRPO: no std, a constant normaliser; one update per batch (ratio 1); the default bias-corrected k3.
     "dr-grpo": dict(scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.1, num_iterations=1,
                     micro_batch_size=12),
 }  # fmt: skip
@@ -286,6 +286,8 @@ def grpo_loss(policy, rows, advantages, old_logps, ref_logps, a):
         loss = pg
         if a["beta"] > 0:
             kl = k3(logp, ref)
+            if a["bias_corrected_kl"]:  # TRL's and DeepSeek-V3.2's k3, weighted by the importance ratio
+                kl = kl * logratio.exp()
             loss = pg + a["beta"] * kl
             pieces["kl"].append(kl.detach())
         per_token.append(loss)
