@@ -35,6 +35,8 @@ MODES = {
     "GSPO (sequence ratio, 2 iterations)": ("grpo", dict(importance_level="sequence", num_iterations=2,
                                                        clip_low=3e-4, clip_high=4e-4, beta=0.0)),
     "GRPO, --weight-decay 0.1": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True, weight_decay=0.1)),
+    "GRPO, --weight-decay 0.1 --no-decay-norms-and-biases": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True,
+                                                                         weight_decay=0.1, decay_norms_and_biases=False)),
     "PPO (k1 penalty, GAE 1 / 0.95)": ("ppo", dict()),
     "PPO (k3 penalty, GAE 0.9 / 0.8, micro-batches of 4)": ("ppo", dict(kl_estimator="k3", gamma=0.9, lam=0.8,
                                                                         micro_batch_size=4)),
