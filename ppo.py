@@ -416,7 +416,7 @@ def main(args, flags_given=()):
         history["score"].append(score_mean)
         lengths = b_mask.sum(1).float()
         history["length"].append(lengths.mean().item())
-        writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score, minus the missing-EOS penalty, plus the KL penalty
+        writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score - EOS penalty + KL penalty
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
