@@ -8,10 +8,13 @@ What a run writes to disk to be continued or verified (checkpoints, dumps) is in
 import contextlib
 import dataclasses
 import inspect
+import itertools
+import math
 import os
 import random
 import re
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from common import approx_kl, clip_fraction, masked_mean
-from errors import UsageError
+from errors import Interrupted, UsageError
 from models import TINY_MODEL, count_parameters
 
 
@@ -60,40 +63,84 @@ def parse_args(args_class, hub_defaults):
     """
     import tyro
 
-    hub = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in hub_defaults.items())
+    hub = ", ".join(f"{flag(key)} {value}" for key, value in hub_defaults.items())
     description = f"{inspect.cleandoc(args_class.__doc__)}\n\nOn a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
     args = tyro.cli(args_class, description=description)
     flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
-    return args, {key for key in hub_defaults if "--" + key.replace("_", "-") in flags}
+    return args, {key for key in hub_defaults if flag(key) in flags}
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
 
 
 def check_positive(args, *names):
     for name in names:
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} is {getattr(args, name)}: it must be at least 1")
+            raise UsageError(f"{flag(name)} is {getattr(args, name)}: it must be at least 1")
+
+
+RANGES = {  # what check_range accepts; NaN fails every one of them
+    "> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0, "in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1,
+}  # fmt: skip
+
+
+def check_range(args, rule, *names):
+    """Refuse the first of these flags whose value breaks `rule` (a key of RANGES), naming it and its value."""
+    for name in names:
+        if not RANGES[rule](getattr(args, name)):
+            raise UsageError(f"{flag(name)} is {getattr(args, name)}: it must be {rule}")
 
 
 def check_run_args(args):
-    """The checks of the flags grpo.py and ppo.py share; each script's check_args checks its own first."""
+    """The checks of the flags grpo.py and ppo.py share; each script's check_args calls it first.
+
+    Every float flag must be finite first: NaN passes any check written `x <= 0`, and a run on it ends "done"
+    with a model full of NaN.
+    """
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(field.name)} is {value}: it must be a finite number")
+    if not 0 <= args.seed < 2**32:  # numpy's seed range
+        raise UsageError(f"--seed is {args.seed}: it must be in [0, 2**32)")
     if args.temperature <= 0:
         raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
     if not 0 <= args.clip_low < 1 or args.clip_high < 0:
         raise UsageError(
             f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0"
         )
+    check_range(args, "in (0, 1)", "learning_rate")  # Adam moves each weight by about lr a step: 1 or more is noise
+    check_range(args, "> 0", "max_grad_norm")
+    check_range(args, ">= 0", "weight_decay", "warmup_steps")
+    if args.learning_rate * args.weight_decay >= 1:  # AdamW multiplies each weight by 1 - lr * wd every step
+        raise UsageError(
+            f"--learning-rate {args.learning_rate} times --weight-decay {args.weight_decay} is >= 1: every step would "
+            "zero or flip the weights; lower --weight-decay"
+        )
     for name in ("eval_every", "save_every", "sample_every"):
         if getattr(args, name) < 0:
-            raise UsageError(
-                f"--{name.replace('_', '-')} is {getattr(args, name)}: use 0 for never, or a positive number of steps"
-            )
+            raise UsageError(f"{flag(name)} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
 
 
 def run_main(main):
-    """Run `main()`, turning a UsageError (or running out of GPU memory) into a one-line message."""
+    """Run `main()`, turning a UsageError (or running out of GPU memory) into a one-line message, and a signal before
+    the training loop installs its own handlers (checkpoints.StopSignal) into one line saying nothing was saved."""
+
+    def interrupted(signum, frame):
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
     try:
         main()
     except UsageError as e:
+        remove_empty_run_folders()
         sys.exit(f"error: {e}")
+    except Interrupted as e:
+        remove_empty_run_folders()
+        print(f"{signal.Signals(e.signum).name} before the first step: nothing was saved", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except torch.OutOfMemoryError:
         sys.exit(
             "error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
@@ -118,21 +165,49 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_dir(args):
-    """The run's folder: a new one under output_dir, or, on --resume, the one holding the checkpoint."""
+MADE_FOLDERS = []  # the folders make_run_dir created, removed again by run_main if a refused start left them empty
+
+
+def make_run_dir(args):
+    """The run's folder, as an absolute path (your reward function may change the working directory).
+
+    A new run's is made now, before any model loads, and exclusively: two runs started in the same second get two.
+    On --resume, it is the folder holding the checkpoint.
+    """
     if args.resume:
-        return os.path.dirname(os.path.abspath(args.resume))
-    return os.path.join(args.output_dir, run_name(args))
+        folder = os.path.dirname(os.path.abspath(args.resume))
+        if args.output_dir != RunArgs.output_dir and os.path.abspath(args.output_dir) != os.path.dirname(folder):
+            raise UsageError(f"--resume continues in the checkpoint's run folder {folder}, not under --output-dir "
+                             f"{args.output_dir}: drop --output-dir (or copy the run folder there first)")
+        return folder
+    output_dir = os.path.abspath(args.output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output-dir {args.output_dir} is a file, not a folder: pick another --output-dir")
+    if not os.path.isdir(output_dir):
+        MADE_FOLDERS.append(output_dir)
+    base = os.path.join(output_dir, run_name(args))
+    for suffix in itertools.count(1):
+        folder = base if suffix == 1 else f"{base}_{suffix}"
+        try:
+            os.makedirs(folder)  # fails if it exists: then the next suffix
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UsageError(f"cannot create the run folder {folder} ({e.strerror}): pick another --output-dir") from None
+        MADE_FOLDERS.append(folder)
+        return folder
+
+
+def remove_empty_run_folders():
+    for folder in reversed(MADE_FOLDERS):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if empty
 
 
 def run_name(args):
-    """<task>__<exp_name>__<seed>__<unix time>, CleanRL's layout, made safe as a folder name and unique."""
+    """<task>__<exp_name>__<seed>__<unix time>, CleanRL's layout, made safe as a folder name."""
     task = re.sub(r"[^\w.-]+", "_", args.task)
-    name = f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    suffix = 1
-    while os.path.exists(os.path.join(args.output_dir, name if suffix == 1 else f"{name}_{suffix}")):
-        suffix += 1
-    return name if suffix == 1 else f"{name}_{suffix}"
+    return f"{task}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
 def apply_hub_defaults(args, hub_defaults, given=()):

@@ -31,8 +31,19 @@ def _swap_into_place(tmp, folder):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_weights_finite(models, folder):
+    """Never save weights that an update made NaN or inf: the copy already on disk stays the last good one."""
+    for name, model in models.items():
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            checkpoint = os.path.join(os.path.dirname(folder), "checkpoint")
+            last = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved"
+            raise UsageError(f"the {name}'s weights are not finite after the last update, so {folder} was not "
+                             f"written ({last}): lower --learning-rate")
+
+
 def save_model(model, tokenizer, folder):
     """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model."""
+    check_weights_finite({"model": model}, folder)
     tmp = f"{folder}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -59,6 +70,7 @@ def save_checkpoint(folder, script, args, models, tokenizer, step, optimizer, sc
     """Everything needed to continue exactly: each model by save_pretrained (loadable by transformers and vLLM
     as it is), and state.pt with the Args, step, optimizer, scheduler, prompt order, RNG states and `state`
     (the history, and what else the algorithm carries from step to step). Atomic."""
+    check_weights_finite(models, folder)
     tmp = f"{folder}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, model in models.items():
@@ -101,23 +113,29 @@ def restore_state(state, optimizer, scheduler, sampler):
 
 class StopSignal:
     """SIGINT/SIGTERM set a flag; the loop finishes its step, saves a checkpoint and exits.
-    A second Ctrl-C stops at once (the last checkpoint on disk stays intact: saves are atomic)."""
+    A second signal stops at once, with exit status 128 + signal, even while a step hangs in your reward function
+    (the last checkpoint on disk stays intact: saves are atomic)."""
 
-    def __init__(self):
-        self.name = None
+    def __init__(self, checkpoint_dir):
+        self.name, self.checkpoint_dir = None, checkpoint_dir
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.name is not None:
-            raise KeyboardInterrupt
+            saved = os.path.isdir(self.checkpoint_dir)
+            where = f"the last checkpoint is {self.checkpoint_dir}" if saved else "no checkpoint was saved"
+            print(f"\n{signal.Signals(signum).name} again: stopped at once, in the middle of a step; {where}",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)  # not an exception: code that catches everything (a reward function) cannot hold it
         self.name = signal.Signals(signum).name
         print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
 
-    def exit(self, step, writer, script, checkpoint_dir):
+    def exit(self, step, writer, script):
         """Once the checkpoint is saved: close the logs and stop, with the command that resumes the run."""
         writer.close()
-        raise SystemExit(f"stopped by {self.name} after step {step}; resume with: {resume_command(script, checkpoint_dir)}")
+        command = resume_command(script, self.checkpoint_dir)
+        raise SystemExit(f"stopped by {self.name} after step {step}; resume with: {command}")
 
 
 def resume_command(script, checkpoint_dir):
@@ -143,17 +161,36 @@ def dump_batch(path, tensors):
     save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
 
 
-def write_dump_metadata(dump_dir, script, args):
+def start_dumps(args, script, run_dir):
+    """--dump-dir: made absolute, checked and given its metadata.json before any model loads. A folder holding
+    another run's dumps is refused, never overwritten in part; resuming the run that wrote it continues it."""
     import json
     import platform
 
     import transformers
 
-    os.makedirs(dump_dir, exist_ok=True)
-    meta = {"script": script, "args": vars(args), "versions": {
+    if not args.dump_dir:
+        return
+    args.dump_dir = dump_dir = os.path.abspath(args.dump_dir)
+    meta_path = os.path.join(dump_dir, "metadata.json")
+    if os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
+        raise UsageError(f"--dump-dir {dump_dir} is a file, not a folder: pick another --dump-dir")
+    if os.path.isdir(dump_dir) and os.listdir(dump_dir):
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                owner = json.load(f).get("run_dir")
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        if owner != run_dir:
+            raise UsageError(f"--dump-dir {dump_dir} already holds files of {owner or 'another run'}: pass an empty or new folder")
+    meta = {"script": script, "run_dir": run_dir, "args": vars(args), "versions": {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
-    with open(os.path.join(dump_dir, "metadata.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(meta_path, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+    except OSError as e:
+        raise UsageError(f"cannot write to --dump-dir {dump_dir} ({e.strerror}): pick another --dump-dir") from None
 
 
 def check_finite(step, what, value, run_dir, tensors):

@@ -8,7 +8,21 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line saying what to change, never as a traceback."""
 
 
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM before the training loop took over the signals: nothing was saved (bookkeeping.run_main)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def shorten(value, limit=200):
     """repr(value) on one line, cut to about `limit` characters, for error messages."""
     text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def one_line(message, limit=200):
+    """An exception's message (or any text) on one line, cut to about `limit` characters."""
+    text = " ".join(str(message).split()) or "(no message)"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -105,13 +105,12 @@ DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the 
 
 
 def check_args(args):
+    bookkeeping.check_run_args(args)
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
     bookkeeping.check_positive(
         args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size")
-    if args.beta < 0 or args.learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
-        raise UsageError("--beta and --warmup-steps must be >= 0, --learning-rate and --max-grad-norm > 0")
-    bookkeeping.check_run_args(args)
+    bookkeeping.check_range(args, ">= 0", "beta")
 
 
 def group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -211,7 +210,8 @@ def main(args, flags_given=()):
     device = models.pick_device()
     dtype = models.resolve_dtype(args.dtype, device)
     state = checkpoints.load_checkpoint(args.resume, "grpo", args) if args.resume else None  # checked first
-    run_dir = bookkeeping.run_dir(args)
+    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
+    checkpoints.start_dumps(args, "grpo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     bookkeeping.seed_everything(args.seed, args.deterministic)
@@ -235,10 +235,8 @@ def main(args, flags_given=()):
         policy.load_state_dict(models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
-    if args.dump_dir:
-        checkpoints.write_dump_metadata(args.dump_dir, "grpo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    stop = checkpoints.StopSignal()
+    stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
@@ -326,7 +324,7 @@ def main(args, flags_given=()):
             checkpoints.save_checkpoint(checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history)
         if stop.name:
-            stop.exit(step, writer, "grpo", checkpoint_dir)
+            stop.exit(step, writer, "grpo")
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir)

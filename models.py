@@ -72,10 +72,29 @@ def resolve_model_path(name, flag="--model"):
 
 
 def check_model_names(args, fields):
-    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag."""
+    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
+    --critic-model whose vocabulary is not the policy's (its embeddings would read other tokens, or none)."""
     for field in fields:
         if getattr(args, field) not in (None, TINY_MODEL):
             resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
+    if getattr(args, "critic_model", None) not in (None, args.model):
+        check_same_vocabulary(args.model, args.critic_model)
+
+
+def check_same_vocabulary(model, critic):
+    from transformers import AutoConfig
+
+    vocabulary = load_tokenizer(model).get_vocab()
+    path = resolve_model_path(critic)
+    has_tokenizer = not os.path.isdir(path) or any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    if has_tokenizer and load_tokenizer(critic).get_vocab() != vocabulary:
+        raise UsageError(f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
+                         "pick a critic of the same model family (same tokenizer)")
+    size = _from_pretrained(AutoConfig, path).get_text_config().vocab_size
+    if size < len(vocabulary):
+        raise UsageError(f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
+                         f"--model {model!r}'s tokenizer: pick a critic of the same model family")
 
 
 def _from_pretrained(loader, name, **kwargs):
@@ -113,6 +132,9 @@ def load_tokenizer(name):
     loader = PreTrainedTokenizerFast if saved_as_generic_tokenizer(path) else AutoTokenizer
     tokenizer = _from_pretrained(loader, path)
     tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {name!r} has neither a pad nor an EOS token, so no completion can end: "
+                         "set eos_token in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -149,6 +171,9 @@ def load_causal_lm(name, device, dtype=torch.float32):
     config = _from_pretrained(AutoConfig, resolve_model_path(name))
     if config.is_encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model")
+    heads = config.architectures or []
+    if heads and not any(head.endswith(("ForCausalLM", "LMHeadModel")) for head in heads):  # its LM head would be random
+        raise UsageError(f"{name!r} was saved as {', '.join(heads)}, not a causal LM: pass one with --model")
     model = load_pretrained(AutoModelForCausalLM, name, device, dtype)
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): use another architecture")

@@ -113,20 +113,21 @@ DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "per_token
 
 
 def check_args(args):
+    bookkeeping.check_run_args(args)
     bookkeeping.check_positive(args, "prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps",
-                               "update_epochs", "num_minibatches", "micro_batch_size")  # fmt: skip
+                               "update_epochs", "num_minibatches", "micro_batch_size", "kl_horizon")  # fmt: skip
     batch_size = args.prompts_per_step * args.samples_per_prompt
     if batch_size % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} completions: pick a divisor")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise UsageError(f"--gamma {args.gamma} --lam {args.lam}: both must be in [0, 1]")
-    if args.vf_coef < 0 or args.cliprange_value <= 0 or args.kl_coef < 0 or args.missing_eos_penalty < 0:
-        raise UsageError("--vf-coef, --kl-coef and --missing-eos-penalty must be >= 0, --cliprange-value > 0")
+    bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
+    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "missing_eos_penalty")
+    bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
+    bookkeeping.check_range(args, "> 0", "cliprange_value")
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
-    if args.learning_rate <= 0 or args.critic_learning_rate <= 0 or args.warmup_steps < 0 or args.max_grad_norm <= 0:
-        raise UsageError("--learning-rate, --critic-learning-rate and --max-grad-norm must be > 0, --warmup-steps >= 0")
-    bookkeeping.check_run_args(args)
+    if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon
+        raise UsageError(f"--kl-horizon {args.kl_horizon} is below the {batch_size} completions of a step: the KL "
+                         f"coefficient could turn negative; use at least {batch_size}")
 
 
 class Critic(torch.nn.Module):
@@ -299,7 +300,8 @@ def main(args, flags_given=()):
     device = models.pick_device()
     dtype = models.resolve_dtype(args.dtype, device)
     state = checkpoints.load_checkpoint(args.resume, "ppo", args) if args.resume else None  # checked first
-    run_dir = bookkeeping.run_dir(args)
+    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
+    checkpoints.start_dumps(args, "ppo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     bookkeeping.seed_everything(args.seed, args.deterministic)
@@ -330,10 +332,8 @@ def main(args, flags_given=()):
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
-    if args.dump_dir:
-        checkpoints.write_dump_metadata(args.dump_dir, "ppo", args)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
-    stop = checkpoints.StopSignal()
+    stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
     pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
@@ -446,7 +446,7 @@ def main(args, flags_given=()):
             checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
         if stop.name:
-            stop.exit(step, writer, "ppo", checkpoint_dir)
+            stop.exit(step, writer, "ppo")
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir)

@@ -25,11 +25,11 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from errors import UsageError, shorten
+from errors import UsageError, one_line, shorten
 from rewards import (
     arithmetic_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward, match_reward, parse_number,
 )  # fmt: skip
-from user_tasks import python_reward_and_examples, read_jsonl
+from user_tasks import as_user_code, python_reward_and_examples, read_jsonl
 
 
 @dataclass
@@ -40,24 +40,37 @@ class Task:
     reward_fn: Callable[[str, str, str], float]
 
     def score(self, prompts, completions, answers):
-        """Rewards for a batch, checked: a reward function that raises or returns a non-number stops the run."""
+        """Rewards for a batch, checked: a reward function that raises anything (SystemExit included) or returns
+        anything but a finite number stops the run in one line naming the prompt and completion."""
         rewards = []
-        for prompt, completion, answer in zip(prompts, completions, answers):
-            try:
-                r = self.reward_fn(prompt, completion, answer)
-            except Exception as e:
-                raise UsageError(
-                    f"reward function of task {self.name!r} raised {type(e).__name__}: {e} "
-                    f"on prompt {shorten(prompt)} and completion {shorten(completion)}: fix the reward function"
-                ) from None
-            # numbers.Real also admits numpy scalars; bool is excluded, as True is almost always a bug here.
-            if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r):
-                raise UsageError(
-                    f"reward function of task {self.name!r} returned {shorten(r)} on prompt {shorten(prompt)} "
-                    f"and completion {shorten(completion)}: it must return a finite number"
-                )
-            rewards.append(float(r))
+        with as_user_code():
+            for prompt, completion, answer in zip(prompts, completions, answers):
+                try:
+                    r = self.reward_fn(prompt, completion, answer)
+                except BaseException as e:
+                    raise UsageError(
+                        f"reward function of task {self.name!r} raised {type(e).__name__}: {one_line(e)} "
+                        f"on prompt {shorten(prompt)} and completion {shorten(completion)}: fix the reward function"
+                    ) from None
+                if finite_float(r) is None:
+                    raise UsageError(
+                        f"reward function of task {self.name!r} returned {shorten(r, 60)} on prompt {shorten(prompt)} "
+                        f"and completion {shorten(completion)}: it must return a finite number"
+                    )
+                rewards.append(finite_float(r))
         return rewards
+
+
+def finite_float(value):
+    """`value` as a finite float, or None: numbers.Real admits numpy scalars; bool is refused (True is almost always
+    a bug here), and so is an int too large for a float (10**400)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def split_examples(name, examples, seed=1234):

@@ -3,6 +3,7 @@
 the function, and what to write instead. tasks.py turns what these return into tasks.
 """
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -10,7 +11,7 @@ import os
 import re
 import sys
 
-from errors import UsageError, shorten
+from errors import Interrupted, UsageError, one_line, shorten
 
 
 def check_example(row, where):
@@ -59,16 +60,32 @@ def read_jsonl(path):
     return examples
 
 
+@contextlib.contextmanager
+def as_user_code():
+    """Run your code as if on its own: it sees no command-line flags in sys.argv (an argparse at import would read
+    ours), and the working directory it may change is put back after."""
+    argv, cwd = sys.argv, os.getcwd()
+    sys.argv = argv[:1]
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+
+
 def import_file(path):
-    """Import a Python file as a module, turning any error it raises into a UsageError."""
+    """Import a Python file as a module, turning anything it raises (SystemExit included) into a UsageError."""
     module_name = "user_task_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickle look modules up here
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise UsageError(f"importing {path} raised {type(e).__name__}: {e}: fix that file") from None
+        with as_user_code():
+            spec.loader.exec_module(module)
+    except Interrupted:  # a real Ctrl-C while it ran
+        raise
+    except BaseException as e:
+        raise UsageError(f"importing {path} raised {type(e).__name__}: {one_line(e)}: fix that file") from None
     return module
 
 
