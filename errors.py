@@ -18,7 +18,10 @@ class Interrupted(BaseException):
 
 def shorten(value, limit=200):
     """repr(value) on one line, cut to about `limit` characters, for error messages."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # a list nested 100,000 deep, an int of more than 4300 digits
+        text = f"a {type(value).__name__} too large to show"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -7,10 +7,10 @@ and the checks that refuse, in one line, a model that does not fit the task or t
 
 import os
 import shutil
+import sys
 
 import torch
 
-from common import encode_prompts
 from errors import UsageError
 
 TINY_MODEL = "tiny"
@@ -211,36 +211,117 @@ def load_head(head, name, device):
         head.load_state_dict(load_file(path, device=str(device)))
 
 
+def same_text(a, b):
+    """Equal up to Unicode compatibility forms (NFKC) and runs of whitespace, which tokenizers may rewrite."""
+    import unicodedata
+
+    return a == b or " ".join(unicodedata.normalize("NFKC", a).split()) == " ".join(unicodedata.normalize("NFKC", b).split())
+
+
+def unwritable_characters(tokenizer, texts):
+    """The characters of `texts` the tokenizer cannot write: tokenized and decoded alone, they do not come back
+    (an unknown one comes back as <unk>). Each distinct character is tried once, so this is fast for any task."""
+    chars = sorted(set().union(*texts))
+    decoded = tokenizer.batch_decode(tokenizer(chars, add_special_tokens=False)["input_ids"], skip_special_tokens=False)
+    return {c for c, d in zip(chars, decoded) if not same_text(c, d)}
+
+
+def note(message):
+    print(f"note: {message}", file=sys.stderr)
+
+
 def check_vocabulary(tokenizer, task, model_name):
-    """Refuse a task whose prompts the tokenizer cannot read (the tiny model knows only TINY_CHARS)."""
-    unk = tokenizer.unk_token_id
-    if unk is None:
-        return
-    for example in task.train[:200]:
-        if unk in tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]:
+    """Refuse a task whose prompts (all of them, train and held out) have characters the tokenizer does not know,
+    or whose answers it could not write (Task.answers: refused if "written", a note if "yours")."""
+    advice = "use a hub model with --model, or a task the tiny model reads (copy, arithmetic)" if model_name == TINY_MODEL \
+        else "use a model whose tokenizer has them, or remove them from the task"  # fmt: skip
+    examples = task.train + task.test
+    for key in ("prompt", "answer"):
+        texts = [example[key] for example in examples]
+        unknown = unwritable_characters(tokenizer, texts) if key == "prompt" or task.answers != "data" else None
+        if not unknown:
+            continue
+        bad = [text for text in texts if not unknown.isdisjoint(text)]
+        char = next(c for c in bad[0] if c in unknown)
+        if key == "prompt":
             raise UsageError(
-                f"the prompts of task {task.name!r} have characters the tokenizer of {model_name!r} does not know "
-                f"(e.g. in {example['prompt'][:60]!r}): use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
+                f"{len(bad)} of the {len(texts)} prompts of task {task.name!r} have characters the tokenizer of "
+                f"{model_name!r} does not know (e.g. {char!r} in {bad[0][:60]!r}): {advice}"
             )
+        message = (f"{len(bad)} of the {len(texts)} answers of task {task.name!r} have characters the tokenizer of "
+                   f"{model_name!r} cannot write (e.g. {char!r} in {bad[0][:60]!r}), so no completion can match them")  # fmt: skip
+        if task.answers == "yours":
+            note(f"{message}; if your reward compares completions with answers, {advice}")
+        else:
+            raise UsageError(f"{message}: {advice}")
 
 
-def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat_template, batch_size=1000):
-    """Refuse a task whose longest prompt, as generation encodes it, plus max_new_tokens overflows the model's positions."""
+def token_counts(tokenizer, texts, chat_template=None):
+    """Tokens of each text, one at a time (no padding): as generation encodes a prompt (chat_template True or
+    False, see common.encode_prompts), or as a completion writes an answer (None: no special tokens)."""
+    if not texts:
+        return []
+    if chat_template is None:
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if chat_template and tokenizer.chat_template:
+        messages = [[{"role": "user", "content": text}] for text in texts]
+        texts = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
+def longest(tokenizer, texts, budget, chat_template=None, slack=8):
+    """(length, text) of the longest of `texts` in tokens, and how many are longer than `budget`; only the texts
+    that may exceed the budget are tokenized. A text has at most as many tokens as UTF-8 bytes (+ `slack` for
+    a prefix space), plus the chat template's own tokens, so short texts are counted as that bound."""
+    overhead = token_counts(tokenizer, [""], chat_template)[0] + slack
+    bounds = [len(text.encode("utf-8", "surrogatepass")) + overhead for text in texts]
+    maybe = [i for i, bound in enumerate(bounds) if bound > budget]
+    counts = token_counts(tokenizer, [texts[i] for i in maybe], chat_template)
+    over = [(n, texts[i]) for i, n in zip(maybe, counts) if n > budget]
+    return max(over, default=(0, "")), len(over)
+
+
+def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat_template):
+    """Refuse a task one of whose prompts (train or held out), as generation encodes it, plus max_new_tokens
+    overflows the model's positions, and one whose answers need more tokens than max_new_tokens (the EOS
+    included: Task.answers "written" is refused, "yours" gets a note).
+
+    Each prompt is measured on its own, never padded into a batch; one of more characters than the positions
+    could hold (positions times the longest token) is refused before it is tokenized: a 4 MB line costs nothing.
+    """
     limit = getattr(model.config, "max_position_embeddings", None)
-    if not limit:
+    examples = task.train + task.test
+    prompts = [example["prompt"] for example in examples]
+    if limit:
+        max_chars = limit * max(map(len, tokenizer.get_vocab()))
+        if len(huge := max(prompts, key=len)) > max_chars:
+            raise UsageError(
+                f"a prompt of task {task.name!r} is {len(huge)} characters ({huge[:40]!r}...), more than the {limit} "
+                f"positions of {model_name!r} can hold: shorten the prompts"
+            )
+        (length, prompt), over = longest(tokenizer, prompts, limit - max_new_tokens, chat_template)
+        if over:
+            fix = f"lower --max-new-tokens to {limit - length} or shorten the prompts" if length < limit else "shorten the prompts"
+            raise UsageError(
+                f"a prompt of task {task.name!r} is {length} tokens ({prompt[:40]!r}...); with --max-new-tokens "
+                f"{max_new_tokens} that is more than the {limit} positions of {model_name!r}: {fix}"
+            )
+    if task.answers == "data":
         return
-    for examples in (task.train, task.test):
-        for i in range(0, len(examples), batch_size):
-            prompts = [example["prompt"] for example in examples[i : i + batch_size]]
-            lengths = encode_prompts(tokenizer, prompts, chat_template)["attention_mask"].sum(1)
-            longest = int(lengths.argmax())
-            length = int(lengths[longest])
-            if length + max_new_tokens > limit:
-                fix = f"lower --max-new-tokens to {limit - length} or shorten the prompts" if length < limit else "shorten the prompts"
-                raise UsageError(
-                    f"a prompt of task {task.name!r} is {length} tokens ({prompts[longest][:40]!r}...); with --max-new-tokens "
-                    f"{max_new_tokens} that is more than the {limit} positions of {model_name!r}: {fix}"
-                )
+    (length, answer), over = longest(tokenizer, [example["answer"] for example in examples], max_new_tokens - 1, slack=1)
+    if not over:
+        return
+    if limit and length + 1 + longest(tokenizer, prompts, 0, chat_template)[0][0] > limit:
+        fix = f"shorten the answers, or the prompts: the longest prompt and answer do not fit in the {limit} positions of {model_name!r}"
+    else:
+        fix = f"raise --max-new-tokens to {length + 1}"
+    message = (f"task {task.name!r} has {over} answers longer than --max-new-tokens {max_new_tokens} allows "
+               f"(their tokens and the EOS; the longest, {answer[:40]!r}, is {length} tokens)")  # fmt: skip
+    if task.answers == "yours":
+        note(f"{message}; if your reward compares completions with answers, {fix}")
+    else:
+        raise UsageError(f"{message}: {fix}")
 
 
 def eos_token_ids(model, tokenizer):

@@ -38,6 +38,10 @@ class Task:
     train: list  # [{"prompt": str, "answer": str}, ...]
     test: list
     reward_fn: Callable[[str, str, str], float]
+    # How the reward uses the answer, for the checks of models.check_task: "written" (the completion must write
+    # it, so the tokenizer must spell it within --max-new-tokens: refused if not), "data" (read by the reward,
+    # never written: countdown's numbers), "yours" (your reward function: a note if the model could not write it).
+    answers: str = "written"
 
     def score(self, prompts, completions, answers):
         """Rewards for a batch, checked: a reward function that raises anything (SystemExit included) or returns
@@ -74,15 +78,22 @@ def finite_float(value):
 
 
 def split_examples(name, examples, seed=1234):
-    """(train, test): a fixed-seed shuffle, then 10% of the examples (at least 1) held out."""
-    if len(examples) < 2:
+    """(train, test): a fixed-seed shuffle of the distinct prompts, then 10% of them (at least 1) held out.
+
+    Every example of a prompt goes to the same side, so a prompt written twice never leaks into the
+    held-out split. Without repeated prompts this is a shuffle of the examples themselves.
+    """
+    by_prompt = {}  # prompt -> its examples, in the order first seen
+    for example in examples:
+        by_prompt.setdefault(example["prompt"], []).append(example)
+    if len(by_prompt) < 2:
         raise UsageError(
-            f"task {name!r} has {len(examples)} example(s): it needs at least 2, one to train on and one held out"
+            f"task {name!r} has {len(by_prompt)} distinct prompt(s): it needs at least 2, one to train on and one held out"
         )
-    examples = list(examples)
-    random.Random(seed).shuffle(examples)
-    n_test = max(1, len(examples) // 10)
-    return examples[n_test:], examples[:n_test]
+    groups = list(by_prompt.values())
+    random.Random(seed).shuffle(groups)
+    n_test = max(1, len(groups) // 10)
+    return [ex for group in groups[n_test:] for ex in group], [ex for group in groups[:n_test] for ex in group]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,7 +176,7 @@ def countdown_task(n_examples=10_000, seed=1234):
         prompt = COUNTDOWN_PROMPT.format(numbers=numbers, target=target)
         answers[prompt] = json.dumps({"target": target, "numbers": numbers})
     examples = [{"prompt": p, "answer": a} for p, a in answers.items()]
-    return Task("countdown", *split_examples("countdown", examples, seed), countdown_reward)
+    return Task("countdown", *split_examples("countdown", examples, seed), countdown_reward, answers="data")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,7 +242,7 @@ def python_task(spec):
     """
     reward_fn, examples = python_reward_and_examples(spec)
     name = f"python:{spec}"
-    return Task(name, *split_examples(name, examples), reward_fn)
+    return Task(name, *split_examples(name, examples), reward_fn, answers="yours")
 
 
 # ---------------------------------------------------------------------------------------------------

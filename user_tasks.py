@@ -7,17 +7,55 @@ import contextlib
 import importlib.util
 import inspect
 import json
+import numbers
 import os
 import re
 import sys
+from decimal import Decimal
 
 from errors import Interrupted, UsageError, one_line, shorten
+
+
+def number_text(value, where):
+    """A number as the plain decimal text the reward functions read; a UsageError if it is not a finite number.
+
+    JSON numbers arrive as Decimal (read_jsonl), so the digits are kept as written: 4 -> "4", 4.0 -> "4.0",
+    1e3 -> "1000", 0.1 -> "0.1" (never float's "1e+20" or a rounded 0.30000000000000004). At most 1000
+    characters, as rewards.parse_number reads no longer number.
+    """
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal)):
+        raise UsageError(f'{where}: "answer" must be a string or a number, not {shorten(value)}')
+    if isinstance(value, numbers.Integral):
+        value = Decimal(int(value))
+    elif not isinstance(value, Decimal):
+        value = Decimal(repr(float(value)))
+    if not value.is_finite():
+        raise UsageError(f'{where}: "answer" is {value}: write a finite number, or a string')
+    digits = max(len(value.as_tuple().digits), abs(value.adjusted()) + 1)  # checked before writing out 1e999999999
+    if digits > 1000:
+        raise UsageError(
+            f'{where}: "answer" is a number of about {digits} digits; rewards compare numbers of up to 1000 '
+            "characters: write it as a string to compare it as text"
+        )
+    return format(value, "f")
+
+
+def check_text(text, key, where):
+    """A UsageError if `text` cannot be written as UTF-8 (a lone surrogate such as "\\ud800" in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f'{where}: "{key}" holds {text[e.start : e.end]!r}, half of a surrogate pair, which is not a character: '
+            "remove it or write the whole character"
+        ) from None
 
 
 def check_example(row, where):
     """`row` as {"prompt": str, "answer": str}, or a UsageError saying what is wrong at `where`.
 
-    A number as answer is accepted and turned into its string: {"prompt": "2+2=", "answer": 4}.
+    A number as answer is accepted and turned into its plain decimal text (number_text):
+    {"prompt": "2+2=", "answer": 4} gives the answer "4".
     """
     if not isinstance(row, dict):
         raise UsageError(f'{where}: expected an object like {{"prompt": "...", "answer": "..."}}, not {shorten(row)}')
@@ -27,34 +65,57 @@ def check_example(row, where):
     prompt, answer = row["prompt"], row["answer"]
     if not isinstance(prompt, str) or not prompt:
         raise UsageError(f'{where}: "prompt" must be a non-empty string, not {shorten(prompt)}')
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)
     if not isinstance(answer, str):
-        raise UsageError(f'{where}: "answer" must be a string or a number, not {shorten(answer)}')
+        answer = number_text(answer, where)
+    check_text(prompt, "prompt", where)
+    check_text(answer, "answer", where)
     return {"prompt": prompt, "answer": answer}
 
 
+def refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number; write a finite number, or a string")
+
+
+def parse_line(line):
+    """One JSON line, its numbers read exactly as Decimal: no float rounding, no 4300-digit limit of int."""
+    return json.loads(line, parse_float=Decimal, parse_int=Decimal, parse_constant=refuse_constant)
+
+
 def read_jsonl(path):
-    """The examples of a JSONL file, one {"prompt": ..., "answer": ...} object a line; blank lines are skipped."""
+    """The examples of a JSONL file, one {"prompt": ..., "answer": ...} object a line; blank lines are skipped.
+
+    Whatever Python cannot read (a line that is not UTF-8, NaN, nesting too deep to parse) is a UsageError
+    naming the line.
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
     except OSError as e:
         raise UsageError(f"cannot read {path!r} ({e.strerror}): check the path") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text: save it as UTF-8 JSONL") from None
     examples = []
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")  # the BOM some editors write
+        except UnicodeDecodeError as e:
+            byte = raw[e.start : e.start + 1]
+            raise UsageError(f"{path}, line {number}: byte {byte!r} is not UTF-8 text: save the file as UTF-8 JSONL") from None
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_line(line)
         except json.JSONDecodeError as e:
-            raise UsageError(
-                f'{path}, line {number}: not valid JSON ({e.msg}); write one object like {{"prompt": "...", '
-                f'"answer": "..."}} per line'
-            ) from None
-        examples.append(check_example(row, f"{path}, line {number}"))
+            reason = e.msg
+        except ValueError as e:
+            reason = str(e)
+        except RecursionError:
+            reason = "nested too deeply for Python to read"
+        else:
+            examples.append(check_example(row, f"{path}, line {number}"))
+            continue
+        raise UsageError(
+            f'{path}, line {number}: not valid JSON ({reason}); write one object like {{"prompt": "...", '
+            f'"answer": "..."}} per line'
+        )
     if not examples:
         raise UsageError(f'{path} is empty: write one {{"prompt": "...", "answer": "..."}} object per line')
     return examples
