@@ -13,22 +13,40 @@ import sys
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from errors import UsageError
 
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
 RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir"}
+# Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
+# 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).
+CHECKPOINT_VERSION = 2
+HASHED_BYTES = 64 * 2**20  # files up to this size (configs, tokenizers, small weights) are hashed in full
 
 
 def _swap_into_place(tmp, folder):
-    """Replace `folder` by the finished `tmp`: at every moment one complete copy exists on disk."""
+    """Replace `folder` by the finished `tmp`: at every moment one complete copy exists on disk (after a kill
+    between the two renames, as folder.old and folder.tmp: find_checkpoint takes the newer complete one)."""
     old = f"{folder}.old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.isdir(folder):
         os.rename(folder, old)
     os.rename(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# How a failed write (disk full, quota, read-only) reaches us: torch.save says RuntimeError, safetensors its own error.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_failed(what, folder, error):
+    """A save that could not be written (disk full, read-only, quota): one line naming what is still good."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    if os.path.isfile(os.path.join(folder, "state.pt")):
+        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: free some disk space, then resume from it")
+    return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: free some disk space and start again")
 
 
 def check_weights_finite(models, folder):
@@ -46,9 +64,47 @@ def save_model(model, tokenizer, folder):
     check_weights_finite({"model": model}, folder)
     tmp = f"{folder}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except WRITE_ERRORS as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e) from None
     _swap_into_place(tmp, folder)
+
+
+def file_digest(path):
+    """(size, sha256) of a file; files over HASHED_BYTES are hashed on their first and last MiB only."""
+    import hashlib
+
+    size, digest = os.path.getsize(path), hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= HASHED_BYTES:
+            digest.update(f.read())
+        else:
+            digest.update(f.read(2**20))
+            f.seek(size - 2**20)
+            digest.update(f.read())
+    return size, digest.hexdigest()
+
+
+def file_manifest(folder):
+    """{relative path: (size, sha256)} of every file under `folder` but state.pt (which holds the manifest)."""
+    manifest = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.relpath(path, folder) != "state.pt":
+                manifest[os.path.relpath(path, folder)] = file_digest(path)
+    return manifest
+
+
+def data_fingerprint(examples):
+    """sha256 of the training examples, in order: a resumed run must draw its prompts from the same list."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([[ex["prompt"], ex["answer"]] for ex in examples]).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def rng_state():
@@ -69,45 +125,126 @@ def set_rng_state(state):
 def save_checkpoint(folder, script, args, models, tokenizer, step, optimizer, scheduler, sampler, **state):
     """Everything needed to continue exactly: each model by save_pretrained (loadable by transformers and vLLM
     as it is), and state.pt with the Args, step, optimizer, scheduler, prompt order, RNG states and `state`
-    (the history, and what else the algorithm carries from step to step). Atomic."""
+    (the history, and what else the algorithm carries from step to step), plus what load_checkpoint checks:
+    the version, the size and hash of every file, the keys of state.pt, the training data's fingerprint.
+    Atomic; a failed write (disk full) is one line naming the last good checkpoint."""
     check_weights_finite(models, folder)
     tmp = f"{folder}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    for name, model in models.items():
-        model.save_pretrained(os.path.join(tmp, name))
-        tokenizer.save_pretrained(os.path.join(tmp, name))
-    state.update(script=script, args=vars(args), rng=rng_state(), step=step, optimizer=optimizer.state_dict(),
-                 scheduler=scheduler.state_dict(), sampler=sampler.state_dict())  # fmt: skip
-    torch.save(state, os.path.join(tmp, "state.pt"))
+    try:
+        for name, model in models.items():
+            model.save_pretrained(os.path.join(tmp, name))
+            tokenizer.save_pretrained(os.path.join(tmp, name))
+        state.update(script=script, args=vars(args), rng=rng_state(), step=step, optimizer=optimizer.state_dict(),
+                     scheduler=scheduler.state_dict(), sampler=sampler.state_dict())  # fmt: skip
+        state.update(version=CHECKPOINT_VERSION, files=file_manifest(tmp), data=data_fingerprint(sampler.examples))
+        torch.save(dict(state, keys=sorted(state)), os.path.join(tmp, "state.pt"))
+    except WRITE_ERRORS as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(f"the checkpoint of step {step} to {folder}", folder, e) from None
     _swap_into_place(tmp, folder)
 
 
-def load_checkpoint(folder, script, args):
-    """The state of a checkpoint written by `script`, after checking it fits these Args."""
+def read_state(folder):
+    """state.pt of `folder` (None if there is none), or a UsageError if it cannot be read."""
     path = os.path.join(folder, "state.pt")
     if not os.path.isfile(path):
-        raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder")
+        return None
     try:
-        state = torch.load(path, weights_only=False)  # our own file: it holds Python RNG states
+        return torch.load(path, weights_only=False)  # our own file: it holds Python RNG states
     except Exception as e:
         raise UsageError(f"--resume {folder!r}: state.pt cannot be read ({type(e).__name__}): the checkpoint is corrupt") from None
-    if state.get("script") != script:
-        raise UsageError(f"--resume {folder!r} is a checkpoint of {state.get('script')}.py, not {script}.py: resume it with that script")
-    for key, value in vars(args).items():
-        if key not in RESUMABLE_CHANGES and state["args"].get(key) != value:
+
+
+def check_files(folder, state):
+    """A UsageError naming the first file of the checkpoint that is missing or not as it was saved."""
+    for name, (size, digest) in sorted(state["files"].items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise UsageError(f"--resume {folder!r}: {name} is missing: the checkpoint is incomplete; restore it or start a new run")
+        if os.path.getsize(path) != size:
             raise UsageError(
-                f"--resume {folder!r} was run with --{key.replace('_', '-')} {state['args'].get(key)}, not {value}: "
-                "drop the flag or pass the checkpoint's value"
+                f"--resume {folder!r}: {name} is {os.path.getsize(path)} bytes, not the {size} saved "
+                "(cut short or overwritten): restore the checkpoint or start a new run"
             )
+        if file_digest(path)[1] != digest:
+            raise UsageError(f"--resume {folder!r}: {name} was changed after the save: restore it or start a new run")
+
+
+def find_checkpoint(folder):
+    """(folder, state) of the checkpoint `--resume folder` means. A kill between the two renames of a save
+    leaves no `folder`, but folder.tmp (complete, newer) or folder.old (the previous one): the newer one that
+    passes its checks is renamed back into place, and the fallback said in one line."""
+    state = read_state(folder)
+    if state is not None:
+        return folder, state
+    for candidate, what in ((f"{folder}.tmp", "the save in progress"), (f"{folder}.old", "the previous checkpoint")):
+        try:
+            state = read_state(candidate)
+            if state is None or "files" not in state:
+                continue
+            check_files(candidate, state)
+        except UsageError:
+            continue
+        os.rename(candidate, folder)
+        print(f"note: {folder} was missing (a save was stopped between its renames); resuming from {what}, "
+              f"step {state.get('step')}, moved back from {candidate}", file=sys.stderr)  # fmt: skip
+        return folder, state
+    hint = f": pass a run's checkpoint folder, such as {os.path.join(folder, 'checkpoint')}" \
+        if os.path.isdir(os.path.join(folder, "checkpoint")) else ": pass a run's checkpoint folder"  # fmt: skip
+    raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it){hint}")
+
+
+def load_checkpoint(folder, script, args, task=None):
+    """The state of a checkpoint written by `script`, after checking it fits these Args (and `task`'s training
+    examples, when given): every way it can differ from what was saved is one line naming what is wrong."""
+    folder, state = find_checkpoint(os.path.normpath(folder))
+    if not isinstance(state, dict) or state.get("script") not in ("grpo", "ppo"):
+        raise UsageError(f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py or ppo.py: pass a run's checkpoint folder")
+    if state["script"] != script:
+        raise UsageError(f"--resume {folder!r} is a checkpoint of {state['script']}.py, not {script}.py: resume it with that script")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise UsageError(
+            f"--resume {folder!r} was written by {'an older' if (state.get('version') or 1) < CHECKPOINT_VERSION else 'a newer'} "
+            f"version of {script}.py (checkpoint format {state.get('version') or 1}, this one reads {CHECKPOINT_VERSION}): "
+            "it cannot be resumed by this one; start a new run, or resume with the version that wrote it"
+        )
+    missing = [key for key in state.get("keys", ["keys"]) if key not in state]
+    if missing:
+        raise UsageError(f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run")
+    check_files(folder, state)
+    saved, given = state["args"], vars(args)
+    for key, value in given.items():
+        if key in RESUMABLE_CHANGES:
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if key not in saved:
+            raise UsageError(f"--resume {folder!r} was written before {flag} existed: it cannot be resumed by this version; start a new run")
+        if saved[key] != value:
+            raise UsageError(f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value")
+    gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)
+    if gone:
+        raise UsageError(f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version has not: start a new run")
+    if task is not None and data_fingerprint(task.train) != state["data"]:
+        raise UsageError(
+            f"--resume {folder!r} was trained on other examples than task {task.name!r} gives now "
+            f"({len(task.train)} training examples): restore the data it was trained on, or start a new run"
+        )
     return state
 
 
 def restore_state(state, optimizer, scheduler, sampler):
     """Put back a checkpoint's optimizer, scheduler, prompt order and RNG states; (first step to run, history)."""
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    set_rng_state(state["rng"])
+    if data_fingerprint(sampler.examples) != state["data"]:  # also when load_checkpoint was not given the task
+        raise UsageError("the checkpoint was trained on other examples than the task gives now: restore its data, or start a new run")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise UsageError(f"the checkpoint's optimizer, schedule or RNG state does not fit this run ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}): start a new run") from None  # fmt: skip
     return state["step"] + 1, state["history"]
 
 

@@ -299,7 +299,7 @@ def main(args, flags_given=()):
     task = load_task(args.task)
     device = models.pick_device()
     dtype = models.resolve_dtype(args.dtype, device)
-    state = checkpoints.load_checkpoint(args.resume, "ppo", args) if args.resume else None  # checked first
+    state = checkpoints.load_checkpoint(args.resume, "ppo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
     checkpoints.start_dumps(args, "ppo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)

@@ -196,6 +196,8 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
         real_save_pretrained = PreTrainedModel.save_pretrained
 
         def save_pretrained(self, folder, *a, **k):
+            if "checkpoint" not in str(folder):  # building the tiny model into the cache, when this test runs first
+                return real_save_pretrained(self, folder, *a, **k)
             saves.append(folder)
             if len(saves) == 2:
                 real_save_pretrained(self, folder, *a, **k)  # the weights are written, then it fails
@@ -203,11 +205,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
             return real_save_pretrained(self, folder, *a, **k)
 
         monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_pretrained)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(errors.UsageError, match=r"could not write the checkpoint of step 2 .*\(disk full\); the last good checkpoint is") as error:
         grpo.main(args)
     monkeypatch.undo()
 
     checkpoint = os.path.join(only_run_dir(tmp_path), "checkpoint")
+    assert str(error.value).endswith(f"the last good checkpoint is {checkpoint}: free some disk space, then resume from it")
+    assert not os.path.exists(f"{checkpoint}.tmp")  # the half-written save is removed, freeing its space
     assert len(saves) == 2 and checkpoint_step(checkpoint) == 1
     assert checkpoints.load_checkpoint(checkpoint, "grpo", args)["step"] == 1
     policy = models.load_causal_lm(os.path.join(checkpoint, "policy"), torch.device("cpu"))
