@@ -162,12 +162,10 @@ def check_files(folder, state):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise UsageError(f"--resume {folder!r}: {name} is missing: the checkpoint is incomplete; restore it or start a new run")
-        if os.path.getsize(path) != size:
-            raise UsageError(
-                f"--resume {folder!r}: {name} is {os.path.getsize(path)} bytes, not the {size} saved "
-                "(cut short or overwritten): restore the checkpoint or start a new run"
-            )
-        if file_digest(path)[1] != digest:
+        now = os.path.getsize(path)
+        if now < size and name.endswith(".safetensors"):
+            raise UsageError(f"--resume {folder!r}: {name} is {now} bytes, not the {size} saved: it was cut short; restore the checkpoint or start a new run")
+        if now != size or file_digest(path)[1] != digest:
             raise UsageError(f"--resume {folder!r}: {name} was changed after the save: restore it or start a new run")
 
 
