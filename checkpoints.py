@@ -222,7 +222,7 @@ def load_checkpoint(folder, script, args, task=None):
             raise UsageError(f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value")
     gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)
     if gone:
-        raise UsageError(f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version has not: start a new run")
+        raise UsageError(f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: start a new run")
     if task is not None and data_fingerprint(task.train) != state["data"]:
         raise UsageError(
             f"--resume {folder!r} was trained on other examples than task {task.name!r} gives now "

@@ -243,13 +243,13 @@ def check_vocabulary(tokenizer, task, model_name):
             continue
         bad = [text for text in texts if not unknown.isdisjoint(text)]
         char = next(c for c in bad[0] if c in unknown)
+        which = f"{len(bad)} of the {len(texts)} {key}s of task {task.name!r} {'has' if len(bad) == 1 else 'have'}"
         if key == "prompt":
             raise UsageError(
-                f"{len(bad)} of the {len(texts)} prompts of task {task.name!r} have characters the tokenizer of "
-                f"{model_name!r} does not know (e.g. {char!r} in {bad[0][:60]!r}): {advice}"
+                f"{which} characters the tokenizer of {model_name!r} does not know (e.g. {char!r} in {bad[0][:60]!r}): {advice}"
             )
-        message = (f"{len(bad)} of the {len(texts)} answers of task {task.name!r} have characters the tokenizer of "
-                   f"{model_name!r} cannot write (e.g. {char!r} in {bad[0][:60]!r}), so no completion can match them")  # fmt: skip
+        message = f"{which} characters the tokenizer of {model_name!r} cannot write (e.g. {char!r} in {bad[0][:60]!r}), " \
+            "so no completion can match them"  # fmt: skip
         if task.answers == "yours":
             note(f"{message}; if your reward compares completions with answers, {advice}")
         else:
@@ -312,12 +312,11 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
     (length, answer), over = longest(tokenizer, [example["answer"] for example in examples], max_new_tokens - 1, slack=1)
     if not over:
         return
+    fix = f"raise --max-new-tokens to {length + 1}"
     if limit and length + 1 + longest(tokenizer, prompts, 0, chat_template)[0][0] > limit:
         fix = f"shorten the answers, or the prompts: the longest prompt and answer do not fit in the {limit} positions of {model_name!r}"
-    else:
-        fix = f"raise --max-new-tokens to {length + 1}"
-    message = (f"task {task.name!r} has {over} answers longer than --max-new-tokens {max_new_tokens} allows "
-               f"(their tokens and the EOS; the longest, {answer[:40]!r}, is {length} tokens)")  # fmt: skip
+    message = f"task {task.name!r} has {over} answer{'s' * (over != 1)} longer than --max-new-tokens {max_new_tokens} " \
+        f"allows (their tokens and the EOS; the longest, {answer[:40]!r}, is {length} tokens)"  # fmt: skip
     if task.answers == "yours":
         note(f"{message}; if your reward compares completions with answers, {fix}")
     else:

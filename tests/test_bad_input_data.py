@@ -144,7 +144,7 @@ def tiny_task(train, test, answers="written"):
 
 def test_every_prompt_is_read_held_out_ones_and_past_the_first_200(tiny_tokenizer):
     train = [(f"{i}=", str(i)) for i in range(500)]
-    with pytest.raises(UsageError, match=r"^1 of the 502 prompts of task 'mine' have characters the tokenizer of 'tiny' does not know \(e\.g\. 'x' in '4x='\)"):
+    with pytest.raises(UsageError, match=r"^1 of the 502 prompts of task 'mine' has characters the tokenizer of 'tiny' does not know \(e\.g\. 'x' in '4x='\)"):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train, [("1=", "1"), ("4x=", "4")]), "tiny")
     with pytest.raises(UsageError, match=r"does not know \(e\.g\. 'é'"):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train[:300] + [("é=", "1")], [("1=", "1")]), "tiny")
@@ -152,11 +152,11 @@ def test_every_prompt_is_read_held_out_ones_and_past_the_first_200(tiny_tokenize
 
 def test_every_answer_is_one_the_tokenizer_can_write(tiny_tokenizer, capsys):
     train, test = [(f"{i}=", str(i)) for i in range(300)], [("2=", "two")]
-    with pytest.raises(UsageError, match=r"^1 of the 301 answers of task 'mine' have characters the tokenizer of 'tiny' cannot write \(e\.g\. 't' in 'two'\), so no completion can match them"):
+    with pytest.raises(UsageError, match=r"^1 of the 301 answers of task 'mine' has characters the tokenizer of 'tiny' cannot write \(e\.g\. 't' in 'two'\), so no completion can match them"):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train, test), "tiny")
     models.check_vocabulary(tiny_tokenizer, tiny_task(train, test, answers="data"), "tiny")  # never written: not checked
     models.check_vocabulary(tiny_tokenizer, tiny_task(train, test, answers="yours"), "tiny")  # a user's reward: a note
-    assert capsys.readouterr().err.startswith("note: 1 of the 301 answers of task 'mine' have characters")
+    assert capsys.readouterr().err.startswith("note: 1 of the 301 answers of task 'mine' has characters")
 
 
 def test_answers_that_need_more_tokens_than_max_new_tokens_get_the_number_to_use(tiny_tokenizer, tiny_model):
@@ -255,7 +255,7 @@ DAMAGES = {
     "written before a flag existed": (lambda f: edit_state(f, lambda s: s["args"].pop("bias_corrected_kl")),
                                       r"was written before --bias-corrected-kl existed"),
     "a flag since removed": (lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
-                             r"was run with --old-flag, which this version has not"),
+                             r"was run with --old-flag, which this version does not have"),
     "not our state.pt": (lambda f: torch.save([1, 2], os.path.join(f, "state.pt")), r"state\.pt is not a checkpoint of grpo\.py or ppo\.py"),
     "truncated state.pt": (lambda f: truncate(f, "state.pt"), r"state\.pt cannot be read \(\w+\): the checkpoint is corrupt"),
 }
