@@ -37,16 +37,17 @@ def _swap_into_place(tmp, folder):
     shutil.rmtree(old, ignore_errors=True)
 
 
-# How a failed write (disk full, quota, read-only) reaches us: torch.save says RuntimeError, safetensors its own error.
+# How a failed write (disk full, quota, read-only) reaches us: torch.save raises RuntimeError, safetensors its own.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def write_failed(what, folder, error):
     """A save that could not be written (disk full, read-only, quota): one line naming what is still good."""
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    fix = "free some disk space" if any(word in reason.lower() for word in ("space", "full", "quota")) else "fix that"
     if os.path.isfile(os.path.join(folder, "state.pt")):
-        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: free some disk space, then resume from it")
-    return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: free some disk space and start again")
+        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it")
+    return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: {fix} and start again")
 
 
 def check_weights_finite(models, folder):
@@ -104,7 +105,8 @@ def data_fingerprint(examples):
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps([[ex["prompt"], ex["answer"]] for ex in examples]).encode("utf-8", "surrogatepass")).hexdigest()
+    text = json.dumps([[example["prompt"], example["answer"]] for example in examples])
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def rng_state():
@@ -153,7 +155,9 @@ def read_state(folder):
     try:
         return torch.load(path, weights_only=False)  # our own file: it holds Python RNG states
     except Exception as e:
-        raise UsageError(f"--resume {folder!r}: state.pt cannot be read ({type(e).__name__}): the checkpoint is corrupt") from None
+        raise UsageError(
+            f"--resume {folder!r}: state.pt cannot be read ({type(e).__name__}): the checkpoint is corrupt"
+        ) from None
 
 
 def check_files(folder, state):
@@ -164,17 +168,20 @@ def check_files(folder, state):
             raise UsageError(f"--resume {folder!r}: {name} is missing: the checkpoint is incomplete; restore it or start a new run")
         now = os.path.getsize(path)
         if now < size and name.endswith(".safetensors"):
-            raise UsageError(f"--resume {folder!r}: {name} is {now} bytes, not the {size} saved: it was cut short; restore the checkpoint or start a new run")
+            raise UsageError(
+                f"--resume {folder!r}: {name} is {now} bytes, not the {size} saved: it was cut short; "
+                "restore the checkpoint or start a new run"
+            )
         if now != size or file_digest(path)[1] != digest:
             raise UsageError(f"--resume {folder!r}: {name} was changed after the save: restore it or start a new run")
 
 
 def find_checkpoint(folder):
-    """(folder, state) of the checkpoint `--resume folder` means. A kill between the two renames of a save
+    """(folder, state) of the checkpoint `--resume folder` means (state None: there is none). A kill between the two renames of a save
     leaves no `folder`, but folder.tmp (complete, newer) or folder.old (the previous one): the newer one that
     passes its checks is renamed back into place, and the fallback said in one line."""
     state = read_state(folder)
-    if state is not None:
+    if state is not None or os.path.exists(folder):
         return folder, state
     for candidate, what in ((f"{folder}.tmp", "the save in progress"), (f"{folder}.old", "the previous checkpoint")):
         try:
@@ -188,28 +195,36 @@ def find_checkpoint(folder):
         print(f"note: {folder} was missing (a save was stopped between its renames); resuming from {what}, "
               f"step {state.get('step')}, moved back from {candidate}", file=sys.stderr)  # fmt: skip
         return folder, state
-    hint = f": pass a run's checkpoint folder, such as {os.path.join(folder, 'checkpoint')}" \
-        if os.path.isdir(os.path.join(folder, "checkpoint")) else ": pass a run's checkpoint folder"  # fmt: skip
-    raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it){hint}")
+    return folder, None
 
 
 def load_checkpoint(folder, script, args, task=None):
     """The state of a checkpoint written by `script`, after checking it fits these Args (and `task`'s training
     examples, when given): every way it can differ from what was saved is one line naming what is wrong."""
     folder, state = find_checkpoint(os.path.normpath(folder))
+    if state is None:
+        hint = f", such as {os.path.join(folder, 'checkpoint')}" if os.path.isdir(os.path.join(folder, "checkpoint")) else ""
+        raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder{hint}")
     if not isinstance(state, dict) or state.get("script") not in ("grpo", "ppo"):
-        raise UsageError(f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py or ppo.py: pass a run's checkpoint folder")
-    if state["script"] != script:
-        raise UsageError(f"--resume {folder!r} is a checkpoint of {state['script']}.py, not {script}.py: resume it with that script")
-    if state.get("version") != CHECKPOINT_VERSION:
         raise UsageError(
-            f"--resume {folder!r} was written by {'an older' if (state.get('version') or 1) < CHECKPOINT_VERSION else 'a newer'} "
-            f"version of {script}.py (checkpoint format {state.get('version') or 1}, this one reads {CHECKPOINT_VERSION}): "
-            "it cannot be resumed by this one; start a new run, or resume with the version that wrote it"
+            f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py or ppo.py: pass a run's checkpoint folder"
+        )
+    if state["script"] != script:
+        raise UsageError(
+            f"--resume {folder!r} is a checkpoint of {state['script']}.py, not {script}.py: resume it with that script"
+        )
+    version = state.get("version") if isinstance(state.get("version"), int) else 1  # version 1 had no number
+    if version != CHECKPOINT_VERSION:
+        raise UsageError(
+            f"--resume {folder!r} was written by {'an older' if version < CHECKPOINT_VERSION else 'a newer'} version of "
+            f"{script}.py (checkpoint format {version}, this one reads {CHECKPOINT_VERSION}): it cannot be resumed by "
+            "this one; start a new run, or resume with the version that wrote it"
         )
     missing = [key for key in state.get("keys", ["keys"]) if key not in state]
     if missing:
-        raise UsageError(f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run")
+        raise UsageError(
+            f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run"
+        )
     check_files(folder, state)
     saved, given = state["args"], vars(args)
     for key, value in given.items():
@@ -217,12 +232,18 @@ def load_checkpoint(folder, script, args, task=None):
             continue
         flag = f"--{key.replace('_', '-')}"
         if key not in saved:
-            raise UsageError(f"--resume {folder!r} was written before {flag} existed: it cannot be resumed by this version; start a new run")
+            raise UsageError(
+                f"--resume {folder!r} was written before {flag} existed: it cannot be resumed by this version; start a new run"
+            )
         if saved[key] != value:
-            raise UsageError(f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value")
+            raise UsageError(
+                f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value"
+            )
     gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)
     if gone:
-        raise UsageError(f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: start a new run")
+        raise UsageError(
+            f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: start a new run"
+        )
     if task is not None and data_fingerprint(task.train) != state["data"]:
         raise UsageError(
             f"--resume {folder!r} was trained on other examples than task {task.name!r} gives now "
@@ -234,7 +255,9 @@ def load_checkpoint(folder, script, args, task=None):
 def restore_state(state, optimizer, scheduler, sampler):
     """Put back a checkpoint's optimizer, scheduler, prompt order and RNG states; (first step to run, history)."""
     if data_fingerprint(sampler.examples) != state["data"]:  # also when load_checkpoint was not given the task
-        raise UsageError("the checkpoint was trained on other examples than the task gives now: restore its data, or start a new run")
+        raise UsageError(
+            "the checkpoint was trained on other examples than the task gives now: restore its data, or start a new run"
+        )
     try:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
