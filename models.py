@@ -284,8 +284,9 @@ def longest(tokenizer, texts, budget, chat_template=None, slack=8):
 
 def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat_template):
     """Refuse a task one of whose prompts (train or held out), as generation encodes it, plus max_new_tokens
-    overflows the model's positions, and one whose answers need more tokens than max_new_tokens (the EOS
-    included: Task.answers "written" is refused, "yours" gets a note).
+    overflows the model's positions, and one with answers of more tokens than max_new_tokens, which no
+    completion can write (Task.answers "written" is refused, "yours" gets a note). The advice leaves room
+    for the EOS too: an answer cut off without its EOS may score, but PPO's --missing-eos-penalty hits it.
 
     Each prompt is measured on its own, never padded into a batch; one of more characters than the positions
     could hold (positions times the longest token) is refused before it is tokenized: a 4 MB line costs nothing.
@@ -309,14 +310,14 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
             )
     if task.answers == "data":
         return
-    (length, answer), over = longest(tokenizer, [example["answer"] for example in examples], max_new_tokens - 1, slack=1)
+    (length, answer), over = longest(tokenizer, [example["answer"] for example in examples], max_new_tokens, slack=1)
     if not over:
         return
-    fix = f"raise --max-new-tokens to {length + 1}"
+    fix = f"raise --max-new-tokens to {length + 1} (its tokens and the EOS)"
     if limit and length + 1 + longest(tokenizer, prompts, 0, chat_template)[0][0] > limit:
         fix = f"shorten the answers, or the prompts: the longest prompt and answer do not fit in the {limit} positions of {model_name!r}"
     message = f"task {task.name!r} has {over} answer{'s' * (over != 1)} longer than --max-new-tokens {max_new_tokens} " \
-        f"allows (their tokens and the EOS; the longest, {answer[:40]!r}, is {length} tokens)"  # fmt: skip
+        f"tokens (the longest, {answer[:40]!r}, is {length} tokens)"  # fmt: skip
     if task.answers == "yours":
         note(f"{message}; if your reward compares completions with answers, {fix}")
     else:

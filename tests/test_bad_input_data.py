@@ -160,14 +160,18 @@ def test_every_answer_is_one_the_tokenizer_can_write(tiny_tokenizer, capsys):
 
 
 def test_answers_that_need_more_tokens_than_max_new_tokens_get_the_number_to_use(tiny_tokenizer, tiny_model):
-    """The figures of the message are recomputed here: the tiny tokenizer writes one token per character, and the
-    completion needs one more for its EOS."""
+    """The figures of the message are recomputed here: the tiny tokenizer writes one token per character; an
+    answer of more tokens than --max-new-tokens can never be written, and the advice leaves room for the EOS.
+    All answers count, held-out ones too (2964 of the 3302 are in the training split)."""
     task = load_task("arithmetic:4")
     answers = [ex["answer"] for ex in task.train + task.test]
-    too_long, longest = sum(len(a) + 1 > 5 for a in answers), max(map(len, answers))
-    assert (too_long, longest) == (6602, 8)
-    with pytest.raises(UsageError, match=rf"^task 'arithmetic:4' has {too_long} answers longer than --max-new-tokens 5 allows .*is {longest} tokens\): raise --max-new-tokens to {longest + 1}$"):
+    too_long, longest = sum(len(a) > 5 for a in answers), max(map(len, answers))
+    assert (too_long, longest, sum(len(ex["answer"]) > 5 for ex in task.train)) == (3302, 8, 2964)
+    with pytest.raises(UsageError, match=rf"^task 'arithmetic:4' has {too_long} answers longer than --max-new-tokens 5 tokens "
+                                         rf"\(the longest, '\d+', is {longest} tokens\): raise --max-new-tokens to {longest + 1} "
+                                         r"\(its tokens and the EOS\)$"):
         models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 5, chat_template=True)
+    models.check_prompt_length(tiny_tokenizer, load_task("copy"), tiny_model, "tiny", 3, chat_template=True)  # "123", no EOS: fits
     models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", longest + 1, chat_template=True)
     fits = [("1" * 200, "1"), ("2=", "9" * 60)]  # each alone fits in 256 positions; the longest of both does not
     with pytest.raises(UsageError, match=r"is 60 tokens\): shorten the answers, or the prompts"):
@@ -383,8 +387,8 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
 
 @pytest.mark.parametrize(
     "flags, expected",
-    [("--task arithmetic:4", "error: task 'arithmetic:4' has 6602 answers longer than --max-new-tokens 5 allows "
-                             "(their tokens and the EOS; the longest, '97871442', is 8 tokens): raise --max-new-tokens to 9"),
+    [("--task arithmetic:4", "error: task 'arithmetic:4' has 3302 answers longer than --max-new-tokens 5 tokens "
+                             "(the longest, '97871442', is 8 tokens): raise --max-new-tokens to 9 (its tokens and the EOS)"),
      ("--task jsonl:{deep}", "error: {deep}, line 1: not valid JSON (nested too deeply for Python to read); write one "
                              'object like {{"prompt": "...", "answer": "..."}} per line')],
 )  # fmt: skip
