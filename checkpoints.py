@@ -46,7 +46,9 @@ def write_failed(what, folder, error):
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
     fix = "free some disk space" if any(word in reason.lower() for word in ("space", "full", "quota")) else "fix that"
     if os.path.isfile(os.path.join(folder, "state.pt")):
-        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it")
+        return UsageError(
+            f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it"
+        )
     return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: {fix} and start again")
 
 
@@ -165,7 +167,9 @@ def check_files(folder, state):
     for name, (size, digest) in sorted(state["files"].items()):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
-            raise UsageError(f"--resume {folder!r}: {name} is missing: the checkpoint is incomplete; restore it or start a new run")
+            raise UsageError(
+                f"--resume {folder!r}: {name} is missing: the checkpoint is incomplete; restore it or start a new run"
+            )
         now = os.path.getsize(path)
         if now < size and name.endswith(".safetensors"):
             raise UsageError(
@@ -177,9 +181,9 @@ def check_files(folder, state):
 
 
 def find_checkpoint(folder):
-    """(folder, state) of the checkpoint `--resume folder` means (state None: there is none). A kill between the two renames of a save
-    leaves no `folder`, but folder.tmp (complete, newer) or folder.old (the previous one): the newer one that
-    passes its checks is renamed back into place, and the fallback said in one line."""
+    """(folder, state) of the checkpoint `--resume folder` means (state None: there is none). A kill between the
+    two renames of a save leaves no `folder`, but folder.tmp (complete, newer) and folder.old (the previous
+    one): the newer one that passes its checks is renamed back into place, and the fallback said in one line."""
     state = read_state(folder)
     if state is not None or os.path.exists(folder):
         return folder, state

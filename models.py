@@ -215,7 +215,8 @@ def same_text(a, b):
     """Equal up to Unicode compatibility forms (NFKC) and runs of whitespace, which tokenizers may rewrite."""
     import unicodedata
 
-    return a == b or " ".join(unicodedata.normalize("NFKC", a).split()) == " ".join(unicodedata.normalize("NFKC", b).split())
+    plain = [" ".join(unicodedata.normalize("NFKC", text).split()) for text in (a, b)]
+    return a == b or plain[0] == plain[1]
 
 
 def unwritable_characters(tokenizer, texts):
@@ -315,7 +316,8 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
         return
     fix = f"raise --max-new-tokens to {length + 1} (its tokens and the EOS)"
     if limit and length + 1 + longest(tokenizer, prompts, 0, chat_template)[0][0] > limit:
-        fix = f"shorten the answers, or the prompts: the longest prompt and answer do not fit in the {limit} positions of {model_name!r}"
+        fix = "shorten the answers, or the prompts: the longest prompt and answer do not fit in the " \
+            f"{limit} positions of {model_name!r}"  # fmt: skip
     message = f"task {task.name!r} has {over} answer{'s' * (over != 1)} longer than --max-new-tokens {max_new_tokens} " \
         f"tokens (the longest, {answer[:40]!r}, is {length} tokens)"  # fmt: skip
     if task.answers == "yours":
