@@ -251,7 +251,9 @@ def main(args, flags_given=()):
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
             completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-            rewards = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
+            # One reward per completion: a dense reward (on its tokens, [N, T]) counts as its sum, the outcome.
+            b_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
+            rewards = b_scores.sum(1)  # [N]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [N]
@@ -309,6 +311,9 @@ def main(args, flags_given=()):
         scheduler.step()  # after logging the rate this step's updates used
         for key, value in bookkeeping.logged_losses(updates, args).items():
             writer.add_scalar(f"losses/{key}", value, step)
+        baseline = rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
+        explained_variance = common.explained_variance(baseline, rewards, torch.ones_like(rewards)).item()
+        writer.add_scalar("losses/explained_variance", explained_variance, step)
         writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")

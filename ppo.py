@@ -170,18 +170,6 @@ def token_values(critic, input_ids, attention_mask, completion_mask):
     return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as for log-probs
 
 
-def score_at_last_token(scores, mask):
-    """Place each completion's score at its last real token: [B] -> [B, T], zero elsewhere.
-
-    The last real token is the last position where mask is 1 (the EOS, or the last generated token when
-    there was none), so the score never lands on padding, whichever side the padding is on.
-    """
-    T = mask.shape[1]
-    last = T - 1 - mask.flip(1).argmax(1)  # [B]
-    placed = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    return placed.scatter(1, last[:, None], scores[:, None]) * mask
-
-
 def kl_estimate(logp, ref_logp, kind):
     """Per-token estimate of KL(policy || ref) from the log-probs of tokens sampled from the policy.
 
@@ -348,7 +336,9 @@ def main(args, flags_given=()):
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
             completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-            scores = torch.tensor(scorer.score(prompts, completions, answers), device=device)  # [N]
+            # The task's reward on the tokens that earned it (an outcome score: on the last one), [N, T].
+            b_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
+            scores = b_scores.sum(1)  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -364,11 +354,12 @@ def main(args, flags_given=()):
                 b_values = torch.cat([token_values(critic, b_input_ids[m], b_attention_mask[m], b_mask[m])
                                       for m in micro_batches])  # fmt: skip
 
-            # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the score at the last one.
+            # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the task's reward where
+            # it was earned (an outcome score: the last token, as the missing-EOS penalty). Dense credit goes into GAE.
             has_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=device)) & b_mask.bool()).any(1)
-            penalised_scores = scores - args.missing_eos_penalty * (~has_eos).float()
+            penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), b_mask)  # [N, T]
             kl = kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
-            b_rewards = -kl_coef * kl + score_at_last_token(penalised_scores, b_mask)  # [N, T]
+            b_rewards = -kl_coef * kl + (b_scores - penalty)  # [N, T]
             # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
             b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
             b_advantages = masked_whiten(b_advantages, b_mask)

@@ -1,5 +1,6 @@
-"""The built-in reward functions: reward(prompt, completion, answer) -> float in [0, 1], each a small pure
-function with its rule in its docstring. tasks.py pairs each with its prompts.
+"""The built-in reward functions: reward(prompt, completion, answer) -> float in [0, 1] (copy_dense_reward:
+a dense reward, spans that sum to one), each a small pure function with its rule in its docstring. tasks.py
+pairs each with its prompts.
 
 Model text is only ever parsed, never executed: numbers by a regular expression, countdown equations by `ast`.
 """
@@ -20,6 +21,16 @@ def copy_reward(prompt, completion, answer):
     """
     hits = sum(a == c for a, c in zip(answer, completion))
     return hits / max(len(answer), len(completion))
+
+
+def copy_dense_reward(prompt, completion, answer):
+    """copy_reward credited where it is earned: each character in the right place is worth
+    1 / max(len(answer), len(completion)), on the token that writes it, as a (start, end, value) span.
+
+    The values sum to copy_reward, so PPO can be given the same total per character or at the end.
+    """
+    n = max(len(answer), len(completion))
+    return [(i, i + 1, 1 / n) for i, (a, c) in enumerate(zip(answer, completion)) if a == c]
 
 
 def arithmetic_reward(prompt, completion, answer):

@@ -1,10 +1,11 @@
 """Tasks: where prompts come from and how completions are scored.
 
 A task is a list of training examples {"prompt": str, "answer": str}, a held-out list of the same, and a
-reward function `reward(prompt, completion, answer) -> float` in [0, 1]. `load_task(name)` builds one by name
-(the --task flag):
+reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a dense reward (check_dense).
+`load_task(name)` builds one by name (the --task flag):
 
     copy                  "123=" -> "123", the built-in default; the tiny model learns it on a CPU
+    copy:DIGITS[:dense]   the same with DIGITS digits; :dense credits each right character on its token
     arithmetic            "12+7=" -> "19"; arithmetic:DIGITS sets the operands' digits (default 1, up to 9)
     countdown             reach a target from 3-4 numbers with + - * /, equation inside <answer></answer>
     gsm8k                 grade-school math word problems (openai/gsm8k, needs `pip install datasets`)
@@ -18,6 +19,7 @@ the others are meant for hub models. The reward functions are in rewards.py; rea
 files is in user_tasks.py; the order prompts are drawn in is common.PromptSampler's.
 """
 
+import inspect
 import json
 import math
 import numbers
@@ -27,7 +29,8 @@ from typing import Callable
 
 from errors import UsageError, one_line, shorten
 from rewards import (
-    arithmetic_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward, match_reward, parse_number,
+    arithmetic_reward, copy_dense_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward,
+    match_reward, parse_number,
 )  # fmt: skip
 from user_tasks import as_user_code, python_reward_and_examples, read_jsonl
 
@@ -43,24 +46,36 @@ class Task:
     # never written: countdown's numbers), "yours" (your reward function: a note if the model could not write it).
     answers: str = "written"
 
-    def score(self, prompts, completions, answers):
+    @property
+    def wants_tokens(self):
+        """Whether the reward function takes the completion's tokens (`tokens=`), for a per-token reward."""
+        try:
+            return "tokens" in inspect.signature(self.reward_fn).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            return False
+
+    def score(self, prompts, completions, answers, tokens=None):
         """Rewards for a batch, checked: a reward function that raises anything (SystemExit included) or returns
-        anything but a finite number stops the run in one line naming the prompt and completion."""
+        anything but a finite number or a dense reward (check_dense) stops the run in one line naming the prompt.
+        `tokens`: each completion's tokens, as the text each writes, for a reward function that takes them
+        (wants_tokens)."""
         rewards = []
         with as_user_code():
-            for prompt, completion, answer in zip(prompts, completions, answers):
+            for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers)):
                 try:
-                    r = self.reward_fn(prompt, completion, answer)
+                    extra = {} if tokens is None else {"tokens": tokens[i]}
+                    r = self.reward_fn(prompt, completion, answer, **extra)
                 except BaseException as e:
                     raise UsageError(
                         f"reward function of task {self.name!r} raised {type(e).__name__}: {one_line(e)} "
                         f"on prompt {shorten(prompt)} and completion {shorten(completion)}: fix the reward function"
                     ) from None
+                where = f"reward function of task {self.name!r} returned {shorten(r, 60)} on prompt {shorten(prompt)}"
+                if isinstance(r, (list, tuple)):
+                    rewards.append(check_dense(r, completion, where))
+                    continue
                 if finite_float(r) is None:
-                    raise UsageError(
-                        f"reward function of task {self.name!r} returned {shorten(r, 60)} on prompt {shorten(prompt)} "
-                        f"and completion {shorten(completion)}: it must return a finite number"
-                    )
+                    raise UsageError(f"{where} and completion {shorten(completion)}: it must return a finite number")
                 rewards.append(finite_float(r))
         return rewards
 
@@ -75,6 +90,22 @@ def finite_float(value):
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def check_dense(reward, completion, where):
+    """A dense reward, checked: [v, ...] one per token (EOS included; the length is checked where the tokens are
+    known), or [(start, end, value), ...] spans of the completion's characters, each 0 <= start < end <= len."""
+    if all(finite_float(v) is not None for v in reward):
+        return [finite_float(v) for v in reward]
+    for span in reward:
+        if not (isinstance(span, (list, tuple)) and len(span) == 3 and finite_float(span[2]) is not None):
+            raise UsageError(f"{where}: a dense reward is a list of finite numbers (one a token) or of "
+                             "(start, end, value) spans with a finite value")
+        start, end = span[0], span[1]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(completion)):
+            raise UsageError(f"{where}: span ({shorten(start)}, {shorten(end)}) is not within the completion of "
+                             f"{len(completion)} characters (need 0 <= start < end <= {len(completion)})")
+    return [(int(start), int(end), finite_float(value)) for start, end, value in reward]
 
 
 def split_examples(name, examples, seed=1234):
@@ -101,13 +132,30 @@ def split_examples(name, examples, seed=1234):
 # ---------------------------------------------------------------------------------------------------
 
 
-def copy_task(digits=3, seed=1234):
-    """Prompt "123=" -> answer "123": all 1000 three-digit strings, 900 to train on and 100 held out."""
-    strings = [f"{i:0{digits}d}" for i in range(10**digits)]
-    random.Random(seed).shuffle(strings)
+def copy_task(digits=3, dense=False, max_examples=10_000, seed=1234):
+    """Prompt "123=" -> answer "123": all 10**digits strings (1000 for the default 3: 900 to train on, 100
+    held out), or `max_examples` distinct random ones when there are more. `dense`: copy_dense_reward, each
+    right character credited on its token (copy:DIGITS:dense); else copy_reward, one score at the end.
+    """
+    rng = random.Random(seed)
+    if 10**digits <= max_examples:
+        strings = [f"{i:0{digits}d}" for i in range(10**digits)]
+        rng.shuffle(strings)
+    else:
+        strings = list(dict.fromkeys("".join(rng.choices("0123456789", k=digits)) for _ in range(2 * max_examples)))
+        strings = strings[:max_examples]
     examples = [{"prompt": f"{s}=", "answer": s} for s in strings]
     n_test = len(examples) // 10
-    return Task("copy", examples[n_test:], examples[:n_test], copy_reward)
+    name = "copy" if (digits, dense) == (3, False) else f"copy:{digits}" + ":dense" * dense
+    return Task(name, examples[n_test:], examples[:n_test], copy_dense_reward if dense else copy_reward)
+
+
+def copy_form(arg):
+    """copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20."""
+    digits, _, dense = arg.partition(":")
+    if not (digits.isdigit() and 1 <= int(digits) <= 20 and dense in ("", "dense")):
+        raise UsageError(f"task copy:{arg}: write copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20, e.g. copy:8:dense")
+    return copy_task(int(digits), dense == "dense")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,6 +308,7 @@ TASKS = {
 
 # Tasks written NAME:ARGUMENT, by NAME: how the form is written, and the function that takes ARGUMENT.
 TASK_FORMS = {
+    "copy": ("copy:DIGITS[:dense]", copy_form),
     "arithmetic": ("arithmetic:DIGITS", lambda arg: arithmetic_task(int(arg) if arg.isdigit() else arg)),
     "jsonl": ("jsonl:PATH", jsonl_task),
     "python": ("python:FILE.py:FUNCTION[@DATA.jsonl]", python_task),
