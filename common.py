@@ -192,7 +192,8 @@ def score_tokens(scorer, tokenizer, prompts, completions, answers, completion_id
     wants_tokens = getattr(scorer, "wants_tokens", False)
     ends = [token_ends(tokenizer, i, c) if wants_tokens else None for i, c in zip(ids, completions)]
     pieces = [[c[a:b] for a, b in zip([0, *e], e)] for c, e in zip(completions, ends)] if wants_tokens else None
-    rewards = scorer.score(prompts, completions, answers, tokens=pieces) if wants_tokens else scorer.score(prompts, completions, answers)
+    extra = {"tokens": pieces} if wants_tokens else {}  # only a task whose reward function asks for them
+    rewards = scorer.score(prompts, completions, answers, **extra)
     outcome = [r if not isinstance(r, list) else 0.0 for r in rewards]
     placed = score_at_last_token(torch.tensor(outcome, device=completion_mask.device), completion_mask)
     for i, r in enumerate(rewards):
@@ -200,7 +201,8 @@ def score_tokens(scorer, tokenizer, prompts, completions, answers, completion_id
             if r and not isinstance(r[0], tuple) and len(r) != len(ids[i]):
                 raise UsageError(
                     f"reward function of task {scorer.name!r} returned {len(r)} per-token values on prompt "
-                    f"{shorten(prompts[i])}, whose completion has {len(ids[i])} tokens (EOS included): return one a token")
+                    f"{shorten(prompts[i])}, whose completion has {len(ids[i])} tokens (EOS included): return one a token"
+                )
             ends[i] = ends[i] or token_ends(tokenizer, ids[i], completions[i])
             placed[i] = place_dense(r, ends[i], completion_mask[i])
     return placed
@@ -332,5 +334,8 @@ def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num
         _, _, completion_ids, completion_mask = generate(
             model, tokenizer, prompts, max_new_tokens, 1.0, eos_ids, greedy=True, chat_template=chat_template
         )
-        rewards += task.score(prompts, decode_completions(tokenizer, completion_ids, completion_mask, eos_ids), answers)
-    return {"eval/accuracy": sum(r >= 1 for r in rewards) / len(rewards), "eval/reward": sum(rewards) / len(rewards)}
+        completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+        placed = score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
+        rewards += placed.sum(1).tolist()  # a dense reward counts as its total
+    # 1e-6: a dense reward's float32 total of a right answer can fall just short of 1 (3 x 1/3)
+    return {"eval/accuracy": sum(r >= 1 - 1e-6 for r in rewards) / len(rewards), "eval/reward": sum(rewards) / len(rewards)}

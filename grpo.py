@@ -1,9 +1,9 @@
 """GRPO (Group Relative Policy Optimization) for language models, in one file.
 
 Shao et al. 2024, "DeepSeekMath", section 4.1. No critic: for each prompt, sample a group of G
-completions, score them, and use each completion's reward standardised within its group as the
-advantage of every one of its tokens. The loss is the PPO-clip surrogate plus a k3 KL term to a
-frozen reference model.
+completions, score them (a dense reward counts as its sum), and use each completion's reward
+standardised within its group as the advantage of every one of its tokens. The loss is the PPO-clip
+surrogate plus a k3 KL term to a frozen reference model.
 
     python grpo.py                                                   # tiny model, copy task, CPU, ~2 min
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets HUB_DEFAULTS

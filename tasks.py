@@ -154,7 +154,9 @@ def copy_form(arg):
     """copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20."""
     digits, _, dense = arg.partition(":")
     if not (digits.isdigit() and 1 <= int(digits) <= 20 and dense in ("", "dense")):
-        raise UsageError(f"task copy:{arg}: write copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20, e.g. copy:8:dense")
+        raise UsageError(
+            f"task copy:{arg}: write copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20, e.g. copy:8:dense"
+        )
     return copy_task(int(digits), dense == "dense")
 
 

@@ -129,7 +129,7 @@ def check_ppo_dump(meta, d, eos_ids):
     has_eos = (torch.isin(d["completion_ids"], torch.tensor(eos_ids)) & mask.bool()).any(1)
     penalised = d["scores"] - a["missing_eos_penalty"] * (~has_eos).float()
     kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], a["kl_estimator"]) * mask
-    rewards = -d["kl_coef"] * kl + ppo.score_at_last_token(penalised, mask)
+    rewards = -d["kl_coef"] * kl + common.score_at_last_token(penalised, mask)
     close(d["rewards"], rewards)
     advantages, returns = ppo.compute_gae(rewards, d["values"], mask, a["gamma"], a["lam"])
     close(d["returns"], returns)
