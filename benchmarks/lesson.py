@@ -2,6 +2,11 @@
 
     python benchmarks/lesson.py                  # runs it all (3 seeds each), draws docs/lesson/*.png, rewrites
                                                  # the README section between its two markers
+    python benchmarks/lesson.py --loaded         # the same, saying in the README that other jobs shared the CPU
+
+15 training runs (9 of PPO, 120 steps; 6 of GRPO, 200 steps) and 2 one-step memory runs: about 20 minutes
+alone on 2 cores, estimated from the default runs' seconds per step (PPO 0.5, GRPO 0.2); runs already
+finished in --runs-dir are kept, so a stopped benchmark continues where it was.
     python benchmarks/lesson.py --jobs 1         # one run at a time (2 threads each) instead of 2 (1 thread each)
     python benchmarks/lesson.py --tabulate       # only re-reads the runs already in --runs-dir
 
@@ -29,6 +34,7 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -286,7 +292,7 @@ def write_section(runs_dir, elapsed, loaded):
             got = [summary(runs[name, seed], name, threshold) for seed in SEEDS if (name, seed) in runs]
             steps = RUNS[name][2][RUNS[name][2].index("--num-steps") + 1]
             done = [seed for seed in SEEDS if (name, seed) in runs]
-            label = RUNS[name][3] + (f" (seeds {', '.join(map(str, done))} only)" if len(done) < len(SEEDS) else "")
+            label = RUNS[name][3] + (f" (seed{'s' * (len(done) > 1)} {', '.join(map(str, done))} only)" if len(done) < len(SEEDS) else "")
             lines.append(
                 f"| `{task}` (score {threshold}) | {label} | {cell([g['completions'] for g in got], lambda v: f'{v:,.0f}')} "
                 f"| {cell([g['seconds'] for g in got], lambda v: f'{v:.0f} s')} | {cell([g['final'] for g in got], lambda v: f'{v:.3f}')} "
@@ -345,7 +351,8 @@ def write_section(runs_dir, elapsed, loaded):
     readme = os.path.join(REPO, "README.md")
     with open(readme) as f:
         text = f.read()
-    section = "\n".join(lines)
+    wrap = lambda line: line if line[:1] in ("|", "!", "<", "#") else textwrap.fill(line, 110, break_long_words=False)  # noqa: E731
+    section = "\n".join(map(wrap, lines))
     if BEGIN in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
     else:
