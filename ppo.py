@@ -4,8 +4,8 @@ Schulman et al. 2017 (PPO), as used for language models by Ziegler et al. 2019 a
 2022 (InstructGPT). A value model (its own copy of the LM with a scalar head) estimates the return
 of every prefix; the per-token reward is the task's score at the last real token (a dense reward: each
 value on the token that earned it) minus a per-token KL penalty to a frozen reference; advantages come
-from GAE over the critic's values; the loss is
-the PPO-clip surrogate plus a clipped value loss, for several epochs over minibatches.
+from GAE over the critic's values; the loss is the PPO-clip surrogate plus a clipped value loss, for
+several epochs over minibatches.
 
     python ppo.py                                                    # tiny model, copy task, CPU, ~3 min
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets HUB_DEFAULTS
