@@ -272,12 +272,12 @@ def write_section(runs_dir, elapsed, loaded):
     lines = [BEGIN, "## The lesson, measured: PPO next to GRPO", ""]
     took = f", {elapsed / 60:.0f} minutes in all" if elapsed else ""
     lines += [
-        f"`python benchmarks/lesson.py` (CPU, the built-in tiny model, seeds {', '.join(map(str, SEEDS))}, two runs at "
-        f"a time with one thread each{took}) makes this section: the table, and the figures in `docs/lesson/`.",
+        f"`python benchmarks/lesson.py` (CPU, the built-in tiny model, seeds {', '.join(map(str, SEEDS))}, by default two runs "
+        f"at a time (--jobs), one thread each{took}) makes this section: the table, and the figures in `docs/lesson/`.",
         "Wall times are rollout + update seconds, start-up excluded"
         + (", measured while other jobs shared the 2 cores: compare them with each other, not with a machine "
            "of your own." if loaded else "."), "",
-        "### Fits best with: dense rewards (PPO) and outcome rewards (GRPO)", "",
+        "### Fits best with: a dense task and an outcome task", "",
         "`copy:4:dense`: each right character earns its share of the copy score (1 / 4 for a 4-digit answer) on the "
         "token that writes it. PPO gets it there; PPO \"final score only\" runs task `copy:4`, the same total at the "
         "last token; GRPO's outcome is the sum, so its runs on `copy:4:dense` and `copy:4` are the same. `copy`: the "
