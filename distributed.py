@@ -55,7 +55,7 @@ def check_launch(args, per_prompt, group_flag=None):
     if n == 1:
         return
     if args.dump_dir:
-        raise UsageError(f"--dump-dir writes one process's batch, and this launch has {n}: dump with plain `python`")
+        raise UsageError(f"--dump-dir writes one process's batch, and this launch has {n}: dump with plain python (one process)")
     if prompts < n:
         raise UsageError(f"--prompts-per-step {prompts} leaves some of the {n} processes without a prompt: "
                          f"give each at least one (--prompts-per-step {n} or more, a multiple of {n})")

@@ -21,7 +21,7 @@ import ppo
 from errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIGITS = '''EXAMPLES = [{"prompt": f"{i:03d}=", "answer": ""} for i in range(200)]
+DIGITS = '''EXAMPLES = [{"prompt": f"{i:03d}=", "answer": "7"} for i in range(200)]
 
 
 def reward(prompt, completion, answer):
