@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
+import distributed as dist
 from common import approx_kl, clip_fraction, masked_mean
 from errors import Interrupted, UsageError
 from models import TINY_MODEL, count_parameters
@@ -136,7 +137,9 @@ def run_main(main):
         main()
     except UsageError as e:
         remove_empty_run_folders()
-        sys.exit(f"error: {e}")
+        if not dist.is_main() and not dist.initialized():
+            sys.exit(1)  # under torchrun, an error before the processes join (a flag, a launch) is every one's
+        sys.exit(f"error{'' if dist.is_main() else f' (rank {dist.rank()})'}: {e}")
     except Interrupted as e:
         remove_empty_run_folders()
         print(f"{signal.Signals(e.signum).name} before the first step: nothing was saved", file=sys.stderr)
@@ -172,8 +175,12 @@ def make_run_dir(args):
     """The run's folder, as an absolute path (your reward function may change the working directory).
 
     A new run's is made now, before any model loads, and exclusively: two runs started in the same second get two.
-    On --resume, it is the folder holding the checkpoint.
+    On --resume, it is the folder holding the checkpoint. Under torchrun rank 0 makes it, the others take its path.
     """
+    return dist.broadcast(_make_run_dir(args) if dist.is_main() else None)
+
+
+def _make_run_dir(args):
     if args.resume:
         folder = os.path.dirname(os.path.abspath(args.resume))
         if args.output_dir != RunArgs.output_dir and os.path.abspath(args.output_dir) != os.path.dirname(folder):
@@ -229,10 +236,22 @@ def print_settings(args, run_dir, preset, hub_defaults):
         print(f"  {key:<22} {value}{hub}")
 
 
+class NoWriter:
+    """What the processes other than rank 0 log to under torchrun: nothing (the logged values are global)."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
 def make_writer(run_dir, args, first_step, **models):
     """A TensorBoard writer; a new run logs the parameter count of each model (0: not loaded) at step 0."""
     from torch.utils.tensorboard import SummaryWriter
 
+    if not dist.is_main():
+        return NoWriter()
     writer = SummaryWriter(run_dir, purge_step=first_step)  # on resume, drop events logged after the checkpoint
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -242,21 +261,30 @@ def make_writer(run_dir, args, first_step, **models):
     return writer
 
 
+def log_losses(writer, step, updates, args):
+    for key, value in logged_losses(updates, args).items():
+        writer.add_scalar(f"losses/{key}", value, step)
+
+
 def logged_losses(updates, args):
     """The losses/ scalars of one step (README, "What is logged"), from the per-token terms the update gathered.
 
     updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
     Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real
-    tokens), averaged over the step's updates.
+    tokens; under torchrun, over every process's micro-batches), averaged over the step's updates.
     """
-    totals = {}
+    names, sums = None, []  # per update: each statistic times tokens, summed over micro-batches; then the tokens
     for micro_terms in updates:
-        update_tokens = sum(int(terms["mask"].sum()) for terms in micro_terms)
+        update = 0
         for terms in micro_terms:
-            weight = int(terms["mask"].sum()) / max(update_tokens, 1) / len(updates)
-            for name, value in token_means(terms, args).items():
-                totals[name] = totals.get(name, 0.0) + value.item() * weight
-    return totals
+            means = token_means(terms, args)
+            names = list(means)
+            tokens = terms["mask"].sum().double()
+            update = update + torch.stack([value.double() * tokens for value in means.values()] + [tokens])
+        sums.append(update)
+    sums = dist.sum(torch.stack(sums))  # [updates, statistics + 1]
+    means = sums[:, :-1] / sums[:, -1:].clamp(min=1)
+    return {name: value.item() for name, value in zip(names, means.mean(0))}
 
 
 def token_means(terms, args):

@@ -2,6 +2,8 @@
 and the guards that stop a run cleanly (a signal saves a checkpoint; a NaN stops it with the batch dumped).
 
 Nothing here changes what a run computes; a resumed run is the uninterrupted one, bit for bit on CPU.
+Under torchrun every process calls these alike: the shards are gathered and rank 0 alone writes, in the same
+format as one process (distributed.py); a checkpoint resumes with the number of processes that wrote it.
 """
 
 import os
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+import distributed as dist
 from errors import UsageError
 
 
@@ -55,7 +58,8 @@ def write_failed(what, folder, error):
 def check_weights_finite(models, folder):
     """Never save weights that an update made NaN or inf: the copy already on disk stays the last good one."""
     for name, model in models.items():
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
+        shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # torchrun: this one's
+        if dist.any(not all(torch.isfinite(p).all() for p in shards)):
             checkpoint = os.path.join(os.path.dirname(folder), "checkpoint")
             last = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved"
             raise UsageError(f"the {name}'s weights are not finite after the last update, so {folder} was not "
@@ -65,15 +69,18 @@ def check_weights_finite(models, folder):
 def save_model(model, tokenizer, folder):
     """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model."""
     check_weights_finite({"model": model}, folder)
-    tmp = f"{folder}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    except WRITE_ERRORS as e:
+    state_dict = dist.full_state_dict(model)  # under torchrun, gathered from the shards; None: the model's own
+    if dist.is_main():
+        tmp = f"{folder}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failed(f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e) from None
-    _swap_into_place(tmp, folder)
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        except WRITE_ERRORS as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_failed(f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e) from None
+        _swap_into_place(tmp, folder)
+    dist.barrier()  # no process goes on (or exits) before the folder is whole
 
 
 def file_digest(path):
@@ -131,22 +138,28 @@ def save_checkpoint(folder, script, args, models, tokenizer, step, optimizer, sc
     as it is), and state.pt with the Args, step, optimizer, scheduler, prompt order, RNG states and `state`
     (the history, and what else the algorithm carries from step to step), plus what load_checkpoint checks:
     the version, the size and hash of every file, the keys of state.pt, the training data's fingerprint.
-    Atomic; a failed write (disk full) is one line naming the last good checkpoint."""
+    Atomic; a failed write (disk full) is one line naming the last good checkpoint. Under torchrun the shards
+    are gathered and rank 0 writes, with world_size and each process's RNG states (rank_rng)."""
     check_weights_finite(models, folder)
     tmp = f"{folder}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        for name, model in models.items():
-            model.save_pretrained(os.path.join(tmp, name))
-            tokenizer.save_pretrained(os.path.join(tmp, name))
-        state.update(script=script, args=vars(args), rng=rng_state(), step=step, optimizer=optimizer.state_dict(),
-                     scheduler=scheduler.state_dict(), sampler=sampler.state_dict())  # fmt: skip
-        state.update(version=CHECKPOINT_VERSION, files=file_manifest(tmp), data=data_fingerprint(sampler.examples))
-        torch.save(dict(state, keys=sorted(state)), os.path.join(tmp, "state.pt"))
-    except WRITE_ERRORS as e:
+    weights = {name: dist.full_state_dict(model) for name, model in models.items()}  # None on one process
+    state.update(script=script, args=vars(args), rng=rng_state(), step=step, optimizer=dist.full_optimizer_state(optimizer),
+                 scheduler=scheduler.state_dict(), sampler=sampler.state_dict())  # fmt: skip
+    if dist.world_size() > 1:
+        state.update(world_size=dist.world_size(), rank_rng=dist.all_gather(state["rng"]))
+    if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failed(f"the checkpoint of step {step} to {folder}", folder, e) from None
-    _swap_into_place(tmp, folder)
+        try:
+            for name, model in models.items():
+                model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])
+                tokenizer.save_pretrained(os.path.join(tmp, name))
+            state.update(version=CHECKPOINT_VERSION, files=file_manifest(tmp), data=data_fingerprint(sampler.examples))
+            torch.save(dict(state, keys=sorted(state)), os.path.join(tmp, "state.pt"))
+        except WRITE_ERRORS as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_failed(f"the checkpoint of step {step} to {folder}", folder, e) from None
+        _swap_into_place(tmp, folder)
+    dist.barrier()
 
 
 def read_state(folder):
@@ -217,6 +230,9 @@ def load_checkpoint(folder, script, args, task=None):
         raise UsageError(
             f"--resume {folder!r} is a checkpoint of {state['script']}.py, not {script}.py: resume it with that script"
         )
+    if state.get("world_size", 1) != dist.world_size():
+        raise UsageError(f"--resume {folder!r} was written by {state.get('world_size', 1)} process(es), not "
+                         f"{dist.world_size()}: resume it with as many (each one's random state is in it)")
     version = state.get("version") if isinstance(state.get("version"), int) else 1  # version 1 had no number
     if version != CHECKPOINT_VERSION:
         raise UsageError(
@@ -263,10 +279,10 @@ def restore_state(state, optimizer, scheduler, sampler):
             "the checkpoint was trained on other examples than the task gives now: restore its data, or start a new run"
         )
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        dist.load_optimizer_state(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rank_rng"][dist.rank()] if "rank_rng" in state else state["rng"])
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise UsageError(f"the checkpoint's optimizer, schedule or RNG state does not fit this run ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}): start a new run") from None  # fmt: skip
@@ -282,6 +298,8 @@ class StopSignal:
         self.name, self.checkpoint_dir = None, checkpoint_dir
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+            if dist.world_size() > 1:  # restart a collective's interrupted system call (gloo aborts on EINTR)
+                signal.siginterrupt(sig, False)
 
     def _handle(self, signum, frame):
         if self.name is not None:
@@ -293,9 +311,19 @@ class StopSignal:
         self.name = signal.Signals(signum).name
         print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
 
+    def requested(self):
+        """Whether to stop after this step: a signal reached this process or, under torchrun, any other one (then
+        every process stops at this same step boundary)."""
+        if dist.any(self.name is not None) and self.name is None:
+            self.name = "a signal to another process"
+        return self.name is not None
+
     def exit(self, step, writer, script):
         """Once the checkpoint is saved: close the logs and stop, with the command that resumes the run."""
         writer.close()
+        dist.barrier()
+        if not dist.is_main():
+            raise SystemExit(1)
         command = resume_command(script, self.checkpoint_dir)
         raise SystemExit(f"stopped by {self.name} after step {step}; resume with: {command}")
 
@@ -307,7 +335,8 @@ def resume_command(script, checkpoint_dir):
     for i, flag in enumerate(flags):
         if not (flag.startswith("--resume=") or flag == "--resume" or (i > 0 and flags[i - 1] == "--resume")):
             kept.append(flag)
-    return " ".join(shlex.quote(part) for part in ["python", f"{script}.py", *kept, "--resume", checkpoint_dir])
+    launcher = ["python"] if dist.world_size() == 1 else ["torchrun", "--nproc-per-node", str(dist.world_size())]
+    return " ".join(shlex.quote(part) for part in [*launcher, f"{script}.py", *kept, "--resume", checkpoint_dir])
 
 
 def dump_batch(path, tensors):
@@ -321,6 +350,12 @@ def dump_batch(path, tensors):
     tensors = {k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if v is not None}
     # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
     save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
+
+
+def dump_step(dump_dir, step, tensors):
+    """--dump-dir: one file a step (nothing without the flag)."""
+    if dump_dir:
+        dump_batch(os.path.join(dump_dir, f"step{step:06d}.safetensors"), tensors)
 
 
 def start_dumps(args, script, run_dir):
@@ -359,7 +394,8 @@ def check_finite(step, what, value, run_dir, tensors):
     """Stop the run on a NaN or inf: dump the offending batch beside the run, keep the last good checkpoint untouched."""
     if torch.isfinite(torch.as_tensor(value)).all():
         return
-    dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}.safetensors"), os.path.join(run_dir, "checkpoint")
+    rank = f"_rank{dist.rank()}" if dist.world_size() > 1 else ""
+    dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}{rank}.safetensors"), os.path.join(run_dir, "checkpoint")
     dump_batch(dump_path, tensors)
     where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
     raise UsageError(

@@ -310,11 +310,12 @@ def approx_kl(logratio, mask):
     return masked_mean(torch.exp(logratio) - 1 - logratio, mask)
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, <= 0 a useless one."""
+def explained_variance(values, returns, mask, mean=masked_mean):
+    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, <= 0 a useless one.
+    `mean` is masked_mean, or under torchrun distributed.masked_mean (over every process's tokens)."""
     residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    var_residual = mean((residual - mean(residual, mask)) ** 2, mask)
+    var_returns = mean((returns - mean(returns, mask)) ** 2, mask)
     return 1 - var_residual / var_returns.clamp(min=1e-8)
 
 

@@ -37,6 +37,7 @@ from tqdm import tqdm
 import bookkeeping
 import checkpoints
 import common
+import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import models
 from errors import UsageError
 from tasks import load_task
@@ -111,6 +112,7 @@ def check_args(args):
     bookkeeping.check_positive(
         args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size")
     bookkeeping.check_range(args, ">= 0", "beta")
+    dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
 
 
 def group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -207,14 +209,14 @@ def main(args, flags_given=()):
     check_args(args)
     models.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
-    device = models.pick_device()
+    device = dist.init(models.pick_device())  # under torchrun: join the other processes, one device each
     dtype = models.resolve_dtype(args.dtype, device)
     state = checkpoints.load_checkpoint(args.resume, "grpo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
     checkpoints.start_dumps(args, "grpo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
-    bookkeeping.seed_everything(args.seed, args.deterministic)
+    bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
     start_time = time.time()
     tokenizer = models.load_tokenizer(args.model)
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
@@ -227,26 +229,28 @@ def main(args, flags_given=()):
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = models.eos_token_ids(policy, tokenizer)
+    # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
+    policy, ref_model = dist.shard(policy, ref_model)
     optimizer = torch.optim.AdamW(common.adamw_param_groups(policy, args.weight_decay, args.decay_norms_and_biases), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = 1, {"score": [], "length": [], "tokens": 0}
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
-        policy.load_state_dict(models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
+        dist.load_state_dict(policy, models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
+    pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps, disable=not dist.is_main())
     for step in pbar:
-        # ROLLOUT: G completions for each prompt, laid out group by group.
+        # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
-            examples = sampler.sample(args.prompts_per_step)
+            examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
             prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
             answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
-            with common.autocast(device, dtype):
+            with common.autocast(device, dtype), dist.full_weights(policy):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
@@ -256,12 +260,13 @@ def main(args, flags_given=()):
             rewards = b_scores.sum(1)  # [N]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
-            advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [N]
+            b_rewards = dist.gather(rewards)  # every process's rewards, for the batch std and the logs
+            advantages = group_advantages(b_rewards, args.group_size, args.scale_rewards)[dist.rows(len(rewards))]  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
             b_mask = completion_mask  # [N, T]
-            N, num_tokens = len(prompts), int(b_mask.sum())
+            N, num_tokens = len(prompts), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
                 forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
@@ -288,44 +293,42 @@ def main(args, flags_given=()):
                     old_logp = b_old_logp[micro] if b_old_logp is not None else new_logp.detach()
                     ref_logp = b_ref_logp[micro] if b_ref_logp is not None else None
                     loss, terms = grpo_loss(
-                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], N, num_tokens, args)
+                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], len(b_rewards), num_tokens, args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 dump = checkpoints.batch_dump(rollout, updates[-1], DUMPED)  # the last iteration's is written
                 checkpoints.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], grad_norm)
                 optimizer.step()
-        if args.dump_dir:
-            checkpoints.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+        checkpoints.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py.
-        history["tokens"] += int(b_attention_mask.sum())
-        score_mean = rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
+        history["tokens"] += dist.sum(int(b_attention_mask.sum()))
+        score_mean = b_rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
         history["score"].append(score_mean)
-        lengths = b_mask.sum(1).float()
+        lengths = dist.gather(b_mask.sum(1).float())
         history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/score", score_mean, step)
-        writer.add_scalar("charts/reward_std", rewards.std().item(), step)
+        writer.add_scalar("charts/reward_std", b_rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
-        for key, value in bookkeeping.logged_losses(updates, args).items():
-            writer.add_scalar(f"losses/{key}", value, step)
-        baseline = rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
-        explained_variance = common.explained_variance(baseline, rewards, torch.ones_like(rewards)).item()
+        bookkeeping.log_losses(writer, step, updates, args)
+        baseline = b_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
+        explained_variance = common.explained_variance(baseline, b_rewards, torch.ones_like(b_rewards)).item()
         writer.add_scalar("losses/explained_variance", explained_variance, step)
-        writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
+        writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.group_size), args.group_size):
                 tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {rewards[i].item():.2f}")
         if args.eval_every and step % args.eval_every == 0:
-            with common.autocast(device, dtype):
+            with common.autocast(device, dtype), dist.full_weights(policy):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
             for key, value in metrics.items():
                 writer.add_scalar(key, value, step)
-        if stop.name or (args.save_every and step % args.save_every == 0):
+        if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history)
         if stop.name:

@@ -75,7 +75,7 @@ def check_model_names(args, fields):
     """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
     --critic-model whose vocabulary is not the policy's (its embeddings would read other tokens, or none)."""
     for field in fields:
-        if getattr(args, field) not in (None, TINY_MODEL):
+        if getattr(args, field) is not None:  # tiny too: built before torchrun's processes join (dist.init)
             resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
     if getattr(args, "critic_model", None) not in (None, args.model):
         check_same_vocabulary(args.model, args.critic_model)
@@ -195,11 +195,12 @@ def load_backbone(name, device):
 HEAD_FILE = "value_head.safetensors"
 
 
-def save_head(head, folder):
-    """The weights of a head (the critic's value head) beside the backbone saved in `folder`."""
+def save_backbone_and_head(backbone, state_dict, folder):
+    """A critic's weights (its state dict): the backbone as a transformers folder, the value head beside it."""
     from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, os.path.join(folder, HEAD_FILE))
+    part = lambda name: {k.split(".", 1)[1]: v.contiguous() for k, v in state_dict.items() if k.startswith(f"{name}.")}  # noqa: E731
+    backbone.save_pretrained(folder, state_dict=part("backbone"))
+    save_file(part("value_head"), os.path.join(folder, HEAD_FILE))
 
 
 def load_head(head, name, device):

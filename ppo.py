@@ -32,6 +32,7 @@ from tqdm import tqdm
 import bookkeeping
 import checkpoints
 import common
+import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import models
 from errors import UsageError
 from tasks import load_task
@@ -117,9 +118,10 @@ def check_args(args):
     bookkeeping.check_run_args(args)
     bookkeeping.check_positive(args, "prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps",
                                "update_epochs", "num_minibatches", "micro_batch_size", "kl_horizon")  # fmt: skip
+    dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
     batch_size = args.prompts_per_step * args.samples_per_prompt
-    if batch_size % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size} completions: pick a divisor")
+    if batch_size // dist.world_size() % args.num_minibatches:  # each process's batch
+        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size // dist.world_size()} completions{' per process' * (dist.world_size() > 1)}: pick a divisor")
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
     bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
@@ -152,10 +154,9 @@ class Critic(torch.nn.Module):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         return self.value_head(hidden.last_hidden_state).squeeze(-1).float()  # [B, L]
 
-    def save_pretrained(self, folder):
-        """The backbone as a transformers folder (AutoModel reloads it), the head beside it."""
-        self.backbone.save_pretrained(folder)
-        models.save_head(self.value_head, folder)
+    def save_pretrained(self, folder, state_dict=None):
+        """The backbone as a transformers folder (AutoModel reloads it), the head beside it; from `state_dict` if given."""
+        models.save_backbone_and_head(self.backbone, state_dict or self.state_dict(), folder)
 
 
 def load_critic(name, device):
@@ -213,18 +214,18 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, (advantages + values) * mask
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only.
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=common.masked_mean):
+    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only
+    (`mean`: under torchrun distributed.masked_mean, over every process's).
 
-    With shift_mean=False the mean is added back, so only the scale changes (used for rewards).
-    Masked positions come back as 0, so padding can never leak into a later sum. Source: the
-    `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    With shift_mean=False the mean is added back, so only the scale changes (used for rewards). Masked positions
+    come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
     """
-    mean = common.masked_mean(x, mask)
-    var = common.masked_mean((x - mean) ** 2, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    x_mean = mean(x, mask)
+    var = mean((x - x_mean) ** 2, mask)
+    whitened = (x - x_mean) * torch.rsqrt(var + eps)
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + x_mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
@@ -286,14 +287,14 @@ def main(args, flags_given=()):
     check_args(args)
     models.check_model_names(args, ["model", "critic_model", "reward_model"])
     task = load_task(args.task)
-    device = models.pick_device()
+    device = dist.init(models.pick_device())  # under torchrun: join the other processes, one device each
     dtype = models.resolve_dtype(args.dtype, device)
     state = checkpoints.load_checkpoint(args.resume, "ppo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
     checkpoints.start_dumps(args, "ppo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
-    bookkeeping.seed_everything(args.seed, args.deterministic)
+    bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
     start_time = time.time()
     tokenizer = models.load_tokenizer(args.model)
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
@@ -310,14 +311,16 @@ def main(args, flags_given=()):
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = models.eos_token_ids(policy, tokenizer)
+    # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
+    policy, critic, ref_model = dist.shard(policy, critic, ref_model)
     optimizer = torch.optim.AdamW([dict(group, lr=lr) for model, lr in ((policy, args.learning_rate), (critic, args.critic_learning_rate))
                                    for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
-        policy.load_state_dict(models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
-        critic.load_state_dict(load_critic(os.path.join(args.resume, "critic"), models.CPU).state_dict())
+        dist.load_state_dict(policy, models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
+        dist.load_state_dict(critic, load_critic(os.path.join(args.resume, "critic"), models.CPU).state_dict())
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
@@ -325,14 +328,14 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps)
+    pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps, disable=not dist.is_main())
     for step in pbar:
-        # ROLLOUT: samples_per_prompt completions for each prompt.
+        # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
-            examples = sampler.sample(args.prompts_per_step)
+            examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
             prompts = [ex["prompt"] for ex in examples for _ in range(args.samples_per_prompt)]
             answers = [ex["answer"] for ex in examples for _ in range(args.samples_per_prompt)]
-            with common.autocast(device, dtype):
+            with common.autocast(device, dtype), dist.full_weights(policy):
                 prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
                     policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
                 )
@@ -363,7 +366,7 @@ def main(args, flags_given=()):
             b_rewards = -kl_coef * kl + (b_scores - penalty)  # [N, T]
             # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
             b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
-            b_advantages = masked_whiten(b_advantages, b_mask)
+            b_advantages = masked_whiten(b_advantages, b_mask, mean=dist.masked_mean)  # over every process's tokens
             rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                            completion_mask=b_mask, scores=scores, rewards=b_rewards, values=b_values,
                            returns=b_returns, advantages=b_advantages, old_logp=b_old_logp, ref_logp=b_ref_logp,
@@ -379,7 +382,7 @@ def main(args, flags_given=()):
                 b_inds = torch.randperm(N, device=device)
                 for start in range(0, N, minibatch_size):
                     mb_inds = b_inds[start : start + minibatch_size]
-                    mb_tokens = int(b_mask[mb_inds].sum())
+                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes
                     optimizer.zero_grad(set_to_none=True)
                     updates.append([])
                     for micro_start in range(0, minibatch_size, args.micro_batch_size):
@@ -399,42 +402,39 @@ def main(args, flags_given=()):
                     dump = checkpoints.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
                     checkpoints.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
                     optimizer.step()
-        if args.dump_dir:
-            checkpoints.dump_batch(os.path.join(args.dump_dir, f"step{step:06d}.safetensors"), dump)
+        checkpoints.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
-        # LOGGING: the same names in grpo.py and ppo.py.
-        history["tokens"] += int(b_attention_mask.sum())
+        # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
+        history["tokens"] += dist.sum(int(b_attention_mask.sum()))
+        scores, seq_rewards, seq_kl, lengths = dist.gather(scores, b_rewards.sum(1), kl.sum(1), b_mask.sum(1).float())
         score_mean = scores.mean().item()
         history["score"].append(score_mean)
-        lengths = b_mask.sum(1).float()
         history["length"].append(lengths.mean().item())
-        writer.add_scalar("charts/reward", b_rewards.sum(1).mean().item(), step)  # score - EOS penalty + KL penalty
+        writer.add_scalar("charts/reward", seq_rewards.mean().item(), step)  # score - EOS penalty + KL penalty
         writer.add_scalar("charts/score", score_mean, step)
-        writer.add_scalar("charts/reward_std", b_rewards.sum(1).std().item(), step)
+        writer.add_scalar("charts/reward_std", seq_rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
         writer.add_scalar("charts/kl_coef", kl_coef, step)
-        for key, value in bookkeeping.logged_losses(updates, args).items():
-            writer.add_scalar(f"losses/{key}", value, step)
+        bookkeeping.log_losses(writer, step, updates, args)
         if ref_model is not None:
-            writer.add_scalar("losses/kl_ref", common.masked_mean(kl, b_mask).item(), step)
-        explained_variance = common.explained_variance(b_values, b_returns, b_mask).item()
-        writer.add_scalar("losses/explained_variance", explained_variance, step)
-        writer.add_scalar("losses/grad_norm", grad_norm.item(), step)
+            writer.add_scalar("losses/kl_ref", dist.masked_mean(kl, b_mask).item(), step)
+        writer.add_scalar("losses/explained_variance", common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean), step)
+        writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
                 tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {scores[i].item():.2f}")
         if args.eval_every and step % args.eval_every == 0:
-            with common.autocast(device, dtype):
+            with common.autocast(device, dtype), dist.full_weights(policy):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
             for key, value in metrics.items():
                 writer.add_scalar(key, value, step)
         if args.target_kl is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, kl.sum(1).mean().item(), args.target_kl, N, args.kl_horizon)
-        if stop.name or (args.save_every and step % args.save_every == 0):
+            kl_coef = adaptive_kl_coef(kl_coef, seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
+        if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
         if stop.name:

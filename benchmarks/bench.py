@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py --shape small                              # CPU, about 2 minutes
     python benchmarks/bench.py --shape qwen2.5-0.5b --shape qwen2.5-1.5b  # one GPU, a few minutes
+    python benchmarks/bench.py --nproc 8 --shape qwen2.5-1.5b             # 8 GPUs under torchrun (FSDP2)
 
 Each shape is built from its config (random weights, the real architecture and size), saved with a
 byte-level tokenizer like any hub model, and each script runs a few steps on it in a subprocess (so
@@ -101,7 +102,8 @@ def run_script(script, model_dir, task, args, output_dir):
     else:  # PPO needs no group: as many distinct prompts, one completion each
         flags += ["--prompts-per-step", str(args.prompts_per_step * args.group_size), "--update-epochs", str(args.update_epochs)]
         flags += ["--num-minibatches", str(args.num_minibatches)]
-    result = subprocess.run([sys.executable, f"{script}.py", *flags], cwd=REPO, capture_output=True, text=True)
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)] if args.nproc > 1 else [])
+    result = subprocess.run([*launcher, f"{script}.py", *flags], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{script}.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     (name,) = os.listdir(output_dir)
@@ -119,7 +121,7 @@ def measure(script, shape, scalars, prompt_tokens, args, device):
     passes = 1 if script == "grpo" else args.update_epochs
     trained = sum((prompt_tokens + scalars["charts/completion_length"][s]) * completions for s in timed) * passes
     params = scalars["charts/params_policy"][0] + scalars.get("charts/params_critic", {}).get(0, 0)
-    mfu = 6 * params * trained / train_seconds / (args.peak_tflops * 1e12)
+    mfu = 6 * params * trained / train_seconds / (args.peak_tflops * 1e12 * args.nproc)  # per GPU
     return {
         "script": script, "shape": shape, "trained params": f"{params / 1e6:,.0f}M", "completions/step": completions,
         "rollout tokens/s": f"{generated / rollout_seconds:,.0f}", "training tokens/s": f"{trained / train_seconds:,.0f}",
@@ -141,6 +143,7 @@ def main():
     parser.add_argument("--update-epochs", type=int, default=1, help="PPO passes over each batch")
     parser.add_argument("--num-minibatches", type=int, default=2, help="PPO optimizer steps per pass")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200: 989)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) under torchrun; the batch is the whole step's, shared out")
     parser.add_argument("--keep", default=None, help="keep the models and runs in this folder (default: a temporary one, deleted)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +174,7 @@ def main():
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{torch.cuda.get_device_name() if on_gpu else 'CPU'}: {args.steps - 1} timed step(s) after 1 warm-up, "
+    print(f"\n{args.nproc} x {torch.cuda.get_device_name() if on_gpu else 'CPU'}: {args.steps - 1} timed step(s) after 1 warm-up, "
           f"prompts of {prompt_tokens} tokens, up to {args.max_new_tokens} new tokens\n")  # fmt: skip
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))
