@@ -224,6 +224,8 @@ def unwritable_characters(tokenizer, texts):
     """The characters of `texts` the tokenizer cannot write: tokenized and decoded alone, they do not come back
     (an unknown one comes back as <unk>). Each distinct character is tried once, so this is fast for any task."""
     chars = sorted(set().union(*texts))
+    if not chars:  # every text empty (answers of "")
+        return set()
     decoded = tokenizer.batch_decode(tokenizer(chars, add_special_tokens=False)["input_ids"], skip_special_tokens=False)
     return {c for c, d in zip(chars, decoded) if not same_text(c, d)}
 

@@ -159,6 +159,13 @@ def test_every_answer_is_one_the_tokenizer_can_write(tiny_tokenizer, capsys):
     assert capsys.readouterr().err.startswith("note: 1 of the 301 answers of task 'mine' has characters")
 
 
+def test_answers_that_are_all_empty_pass_the_checks(tiny_tokenizer, tiny_model):
+    """A task whose reward ignores the answer may leave every one empty: nothing to write, nothing to refuse."""
+    task = tiny_task([(f"{i}=", "") for i in range(5)], [("9=", "")])
+    models.check_vocabulary(tiny_tokenizer, task, "tiny")
+    models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 5, chat_template=True)
+
+
 def test_answers_that_need_more_tokens_than_max_new_tokens_get_the_number_to_use(tiny_tokenizer, tiny_model):
     """The figures of the message are recomputed here: the tiny tokenizer writes one token per character; an
     answer of more tokens than --max-new-tokens can never be written, and the advice leaves room for the EOS.
