@@ -251,6 +251,9 @@ def test_principle5_a_tokenizer_with_neither_pad_nor_eos(tmp_path, tiny_tokenize
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("pad_token", None), config.pop("eos_token", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    # A tokenizer that has padded a batch saves its pad token in tokenizer.json too; a user's file would not.
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**saved, "padding": None}))
     with pytest.raises(UsageError, match=r"has neither a pad nor an EOS token, so no completion can end"):
         models.load_tokenizer(str(folder))
 
