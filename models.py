@@ -1,9 +1,7 @@
 """Loading what a run needs, and checking it fits: models, tokenizers, device and precision.
 
-The built-in tiny model (built into the cache on first use), any causal LM of the hub or a local folder with
-its tokenizer, a sequence-classification reward model (--reward-model), the device and the autocast dtype;
-and the checks that refuse, in one line, a model that does not fit the task or the flags.
-"""
+The built-in tiny model, any causal LM of the hub, a folder or a .gguf file (gguf_convert.py), with its tokenizer,
+a reward model (--reward-model), the device and autocast dtype; the checks that refuse a misfit in one line."""
 
 import os
 import shutil
@@ -11,6 +9,7 @@ import sys
 
 import torch
 
+import gguf_convert
 from errors import UsageError
 
 TINY_MODEL = "tiny"
@@ -57,78 +56,20 @@ def build_tiny_model(folder):
 
 
 def resolve_model_path(name, flag="--model"):
-    """`tiny` means the built-in tiny model and FILE.gguf its converted folder (both made into the cache on first
-    use); anything else is as given."""
+    """`tiny`: the built-in tiny model; FILE.gguf: its converted folder (both made in the cache); else as given."""
     if name == TINY_MODEL:
         folder = tiny_model_dir()
         if not os.path.isdir(folder):
             build_tiny_model(folder)
         return folder
     if name.endswith(".gguf"):
-        return gguf_folder(name, flag)
+        return gguf_convert.gguf_folder(name, os.path.dirname(tiny_model_dir()), flag)
     if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise UsageError(
             f"{flag} {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "
             f"fix the path{', or pass --model tiny' if flag == '--model' else ''}"
         )
     return name
-
-
-def gguf_folder(path, flag="--model"):
-    """A .gguf file as an ordinary transformers folder, converted once into the cache (keyed by the file's path,
-    size and date): dequantised to float32, with its tokenizer, chat template and generation config.
-
-    Every later load, save and --resume then goes through the folder path like any hub model. A model loaded
-    from GGUF directly would cost ~2 minutes per copy (policy, reference, critic) and refuses save_pretrained.
-    """
-    import hashlib
-
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(path):
-        raise UsageError(f"{flag} {path!r}: no such .gguf file: fix the path")
-    try:
-        import gguf  # noqa: F401  (transformers reads GGUF files through it)
-    except ImportError:
-        raise UsageError(f"{flag} {os.path.basename(path)} needs the gguf package: pip install gguf==0.19.0") from None
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = os.path.join(os.path.dirname(tiny_model_dir()), f"gguf-{os.path.basename(path)[:-5]}-{key}")
-    if not os.path.isdir(folder):
-        convert_gguf(path, folder, flag)
-    return folder
-
-
-def convert_gguf(path, folder, flag):
-    """Dequantise `path` into a fresh float32 model of its architecture and save it, with its tokenizer, to `folder`.
-
-    transformers marks a model read from GGUF as quantised (config.quantization_config) and refuses to save it;
-    its weights are plain float32 tensors once read, so they go into a model built from a config without the mark.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    quiet_transformers()
-    print(f"converting {path} into {folder} (once; it takes a few minutes)")
-    where, file = os.path.split(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=file)
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=file, dtype=torch.float32)
-    except Exception as e:  # an architecture or quantisation transformers cannot read raises ValueError, KeyError, ...
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UsageError(
-            f"{flag} {os.path.basename(path)} cannot be read by transformers' GGUF loader ({first_line}): "
-            "pass a GGUF of a supported architecture and quantisation (e.g. llama, Q4_0/Q4_1/Q8_0/F16), or a folder"
-        ) from None
-    settings = {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "model_type")}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(loaded.config.model_type, **settings), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    tmp = f"{folder}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if os.path.isdir(folder):  # another process converted it meanwhile
-        shutil.rmtree(tmp)
-    else:
-        os.rename(tmp, folder)
 
 
 def check_model_names(args, fields):

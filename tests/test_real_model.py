@@ -68,10 +68,10 @@ def test_chat_template_eos_and_pad(folder, tokenizer):
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == end
     text = tokenizer.decode(common.encode_prompts(tokenizer, ["What is 47 plus 28?"], True)["input_ids"][0])
     assert text.endswith("<|im_start|>user\nWhat is 47 plus 28?<|im_end|>\n<|im_start|>assistant\n"), text
-    # Greedy, the model answers in a few tokens and stops at <|im_end|>.
-    _, _, ids, mask = common.generate(model, tokenizer, ["What is 20 plus 10? Answer with the number only."], 16, 1.0,
-                                      [end], greedy=True)  # fmt: skip
-    assert int(mask.sum()) < 16 and ids[0, int(mask.sum()) - 1] == end
+    # Greedy, the model answers "15 + 43 = 52" and stops at <|im_end|>.
+    prompts = ["What is 15 plus 43? Answer with the number only."]
+    _, _, ids, mask = common.generate(model, tokenizer, prompts, 24, 1.0, [end], greedy=True)
+    assert int(mask.sum()) < 24 and ids[0, int(mask.sum()) - 1] == end, tokenizer.decode(ids[0])
 
 
 def train(script, tmp_path, **flags):
