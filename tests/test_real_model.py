@@ -145,3 +145,30 @@ def test_an_unsupported_architecture_gets_one_line(tmp_path):
     assert "\n" not in message and "odd.gguf cannot be read by transformers' GGUF loader" in message, message
     assert "nosucharch" in message, message
     assert not glob.glob(os.path.join(os.path.dirname(models.tiny_model_dir()), "gguf-odd-*")), "a failed conversion left a folder"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The addition task and its reward (no model needed).
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("75", 1.0), ("47 + 28 = 75", 1.0), ("The answer is 75.", 1.0), ("47 + 28 = 75\n", 1.0),
+    ("75 + 1 = 76", 0.0), ("74 75 76", 0.0), ("", 0.0), ("seventy-five", 0.0), ("7 5", 0.0), ("-75", 0.0),
+    ("x" * 99 + "75", 0.0), ("x" * 98 + "75", 1.0),  # the cap is on the whole completion: 100 characters
+])  # fmt: skip
+def test_last_number_reward(completion, reward):
+    from rewards import last_number_reward
+
+    assert last_number_reward("What is 47 plus 28? Answer with the number only.", completion, "75") == reward
+
+
+def test_addition_task_holds_every_two_digit_sum_once():
+    from tasks import load_task
+
+    task = load_task("addition")
+    examples = task.train + task.test
+    assert len(task.test) == 810 and len({ex["prompt"] for ex in examples}) == 8100
+    for ex in examples[:50]:
+        a, b = (int(word) for word in ex["prompt"].removeprefix("What is ").split("?")[0].split(" plus "))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and ex["answer"] == str(a + b)
