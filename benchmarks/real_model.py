@@ -17,6 +17,7 @@ import glob
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -88,15 +89,13 @@ def summarise_ours(scalars):
     """Per-step figures from the scalars; the first step (warm-up) is left out of the timings."""
     rollout, train = scalars["perf/rollout_seconds"], scalars["perf/train_seconds"]  # cumulative
     total_tokens = [tps * (r + t) for tps, r, t in zip(scalars["perf/tokens_per_second"], rollout, train)]
-    steps = len(rollout)
-    completions_per_step = [n * length for n, length in zip([1] * steps, scalars["charts/completion_length"])]
-    generated = sum(completions_per_step[1:])  # mean length per completion; times completions below
+    steps, lengths = len(rollout), scalars["charts/completion_length"]
     out = dict(
         steps=steps, score=scalars["charts/score"], entropy=scalars["losses/entropy"],
         kl_ref=scalars.get("losses/kl_ref"), explained_variance=scalars.get("losses/explained_variance"),
         rollout_s_per_step=(rollout[-1] - rollout[0]) / (steps - 1), train_s_per_step=(train[-1] - train[0]) / (steps - 1),
         trained_tokens_per_step=(total_tokens[-1] - total_tokens[0]) / (steps - 1),
-        mean_completion_length=generated / (steps - 1), peak_rss_gb=max(scalars["perf/peak_memory_gb"]),
+        mean_completion_length=sum(lengths[1:]) / (steps - 1), peak_rss_gb=max(scalars["perf/peak_memory_gb"]),
     )  # fmt: skip
     out["s_per_step"] = out["rollout_s_per_step"] + out["train_s_per_step"]
     return out
@@ -156,8 +155,9 @@ def run_trl(model_dir, seed, steps, work):
     step_times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
     rewards = [log["reward"] for log in clock.logs if "reward" in log]
     entropy = [log["entropy"] for log in clock.logs if "entropy" in log]
-    return final, dict(steps=len(step_times), score=rewards, entropy=entropy, s_per_step=sum(step_times[1:]) / max(1, len(step_times) - 1),
-                       peak_rss_gb=__import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss / 2**20), seconds
+    s_per_step = sum(step_times[1:]) / max(1, len(step_times) - 1)  # the first step (warm-up) left out
+    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return final, dict(steps=len(step_times), score=rewards, entropy=entropy, s_per_step=s_per_step, peak_rss_gb=peak_rss_gb), seconds
 
 
 def one_run(name, seed, args):
@@ -176,6 +176,8 @@ def one_run(name, seed, args):
     else:
         final, scalars, samples, seconds = run_ours(name, model_dir, seed, steps, args.out)
         summary = summarise_ours(scalars)
+        if name == "ppo":  # each token is trained on once per epoch
+            summary["trained_tokens_per_step"] *= PPO_FLAGS["update_epochs"]
     summary.update(run=name, seed=seed, wall_seconds=seconds, samples=samples[:4] + samples[-4:],
                    accuracy_after=held_out_accuracy(final, args.eval_examples),
                    threads=os.environ.get("OMP_NUM_THREADS"), loadavg=os.getloadavg())  # fmt: skip
