@@ -1,9 +1,7 @@
 """Loading what a run needs, and checking it fits: models, tokenizers, device and precision.
 
-The built-in tiny model (built into the cache on first use), any causal LM of the hub or a local folder with
-its tokenizer, a sequence-classification reward model (--reward-model), the device and the autocast dtype;
-and the checks that refuse, in one line, a model that does not fit the task or the flags.
-"""
+The built-in tiny model, any causal LM of the hub, a folder or a .gguf file (gguf_convert.py), with its tokenizer,
+a reward model (--reward-model), the device and autocast dtype; the checks that refuse a misfit in one line."""
 
 import os
 import shutil
@@ -11,6 +9,7 @@ import sys
 
 import torch
 
+import gguf_convert
 from errors import UsageError
 
 TINY_MODEL = "tiny"
@@ -57,12 +56,14 @@ def build_tiny_model(folder):
 
 
 def resolve_model_path(name, flag="--model"):
-    """`tiny` means the built-in tiny model (built into the cache on first use); anything else is as given."""
+    """`tiny`: the built-in tiny model; FILE.gguf: its converted folder (both made in the cache); else as given."""
     if name == TINY_MODEL:
         folder = tiny_model_dir()
         if not os.path.isdir(folder):
             build_tiny_model(folder)
         return folder
+    if name.endswith(".gguf"):
+        return gguf_convert.gguf_folder(name, os.path.dirname(tiny_model_dir()), flag)
     if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise UsageError(
             f"{flag} {name!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct: "

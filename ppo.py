@@ -48,7 +48,7 @@ class Args(bookkeeping.RunArgs):
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
     model: str = models.TINY_MODEL
-    """hub id or local folder of a causal LM; `tiny` is the built-in ~1M-parameter model"""
+    """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     critic_model: Optional[str] = None
     """hub id or local folder the critic's backbone starts from (default: the policy's weights)"""
     task: str = "copy"

@@ -69,6 +69,18 @@ def match_reward(prompt, completion, answer):
     return float(number is not None and parse_number(completion) == number)
 
 
+def last_number_reward(prompt, completion, answer, max_chars=100):
+    """1 if the last number in the completion is the answer and the completion has at most `max_chars`
+    characters, else 0 ("47 + 28 = 75" and "75" score 1 for answer 75; "75 + 1 = 76" scores 0).
+
+    A chat model may show its working, so only the last number counts: listing many numbers earns nothing,
+    and a completion that goes on past the answer (the usual way to hide a guess among others) ends on
+    another number. The length cap keeps long rambles from being rewarded.
+    """
+    numbers = NUMBER.findall(completion)
+    return float(len(completion) <= max_chars and bool(numbers) and parse_number(numbers[-1]) == parse_number(answer))
+
+
 # ---------------------------------------------------------------------------------------------------
 # countdown: reach a target from 3-4 numbers with + - * /, the equation inside <answer></answer>.
 # ---------------------------------------------------------------------------------------------------

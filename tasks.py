@@ -7,6 +7,7 @@ reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a de
     copy                  "123=" -> "123", the built-in default; the tiny model learns it on a CPU
     copy:DIGITS[:dense]   the same with DIGITS digits; :dense credits each right character on its token
     arithmetic            "12+7=" -> "19"; arithmetic:DIGITS sets the operands' digits (default 1, up to 9)
+    addition              "What is 47 plus 28? Answer with the number only." -> "75", for chat models
     countdown             reach a target from 3-4 numbers with + - * /, equation inside <answer></answer>
     gsm8k                 grade-school math word problems (openai/gsm8k, needs `pip install datasets`)
     gsm8k:format          the same, plus 0.1 for putting the final answer after "####"
@@ -30,7 +31,7 @@ from typing import Callable
 from errors import UsageError, one_line, shorten
 from rewards import (
     arithmetic_reward, copy_dense_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward,
-    match_reward, parse_number,
+    last_number_reward, match_reward, parse_number,
 )  # fmt: skip
 from user_tasks import as_user_code, python_reward_and_examples, read_jsonl
 
@@ -187,6 +188,24 @@ def arithmetic_task(digits=1, max_examples=10_000, seed=1234):
 
 
 # ---------------------------------------------------------------------------------------------------
+# addition: two-digit sums asked in words, for a small chat model (SmolLM2-135M-Instruct gets ~1 in 6).
+# ---------------------------------------------------------------------------------------------------
+
+
+ADDITION_PROMPT = "What is {a} plus {b}? Answer with the number only."
+
+
+def addition_task(seed=1234):
+    """All 8100 sums of two numbers from 10 to 99, asked in a sentence; 10% held out.
+
+    Scored by last_number_reward: the last number of the completion must be the sum, so a chat model may
+    answer "47 + 28 = 75" as well as "75", and the completion must stay short (at most 100 characters).
+    """
+    examples = [{"prompt": ADDITION_PROMPT.format(a=a, b=b), "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
+    return Task("addition", *split_examples("addition", examples, seed), last_number_reward)
+
+
+# ---------------------------------------------------------------------------------------------------
 # countdown: reach a target from 3-4 numbers with + - * / (as in TinyZero). Generated in code.
 # ---------------------------------------------------------------------------------------------------
 
@@ -303,6 +322,7 @@ def python_task(spec):
 TASKS = {
     "copy": copy_task,
     "arithmetic": arithmetic_task,
+    "addition": addition_task,
     "countdown": countdown_task,
     "gsm8k": gsm8k_task,
     "gsm8k:format": lambda: gsm8k_task(format_bonus=True),

@@ -57,6 +57,7 @@ BAD_INPUTS = [
     # model, task and data
     ("grpo", "--model /no/such/dir", r"--model '/no/such/dir' is neither a local folder nor a hub id"),
     ("ppo", "--model {garbage_model}", r"could not load .*garbage-model.*: check --model"),
+    ("grpo", "--model /no/such/model.gguf", r"--model '/no/such/model\.gguf': no such \.gguf file: fix the path"),
     ("ppo", "--critic-model /no/such/critic", r"--critic-model '/no/such/critic' is neither a local folder nor a hub id"),
     ("grpo", "--reward-model not/a/model/path", r"--reward-model 'not/a/model/path' is neither a local folder nor a hub id"),
     ("grpo", "--task nosuchtask", r"unknown task 'nosuchtask': pass --task with one of copy, "),
