@@ -26,7 +26,7 @@ import torch
 import distributed as dist
 from common import approx_kl, clip_fraction, masked_mean
 from errors import Interrupted, UsageError
-from models import TINY_MODEL, count_parameters
+from models import TINY_MODEL
 
 
 @dataclass
@@ -257,7 +257,8 @@ def make_writer(run_dir, args, first_step, **models):
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     if first_step == 1:  # once, so a resumed run's log is the uninterrupted run's
         for name, model in models.items():
-            writer.add_scalar(f"charts/params_{name}", count_parameters(model) if model is not None else 0, 0)
+            count = sum(p.numel() for p in model.parameters()) if model is not None else 0
+            writer.add_scalar(f"charts/params_{name}", count, 0)
     return writer
 
 

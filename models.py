@@ -339,10 +339,6 @@ def eos_token_ids(model, tokenizer):
     return ids
 
 
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters())
-
-
 CPU = torch.device("cpu")  # where a checkpoint's weights are read before they are copied into the run's models
 
 

@@ -33,6 +33,7 @@ import bookkeeping
 import checkpoints
 import common
 import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
+import dumps
 import models
 from errors import UsageError
 from tasks import load_task
@@ -291,7 +292,7 @@ def main(args, flags_given=()):
     dtype = models.resolve_dtype(args.dtype, device)
     state = checkpoints.load_checkpoint(args.resume, "ppo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
-    checkpoints.start_dumps(args, "ppo", run_dir)
+    dumps.start_dumps(args, "ppo", run_dir)
     bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
@@ -399,10 +400,10 @@ def main(args, flags_given=()):
                         updates[-1].append(dict(terms, entropy=entropy, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    dump = checkpoints.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
-                    checkpoints.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
+                    dump = dumps.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
+                    dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
                     optimizer.step()
-        checkpoints.dump_step(args.dump_dir, step, dump)  # with --dump-dir
+        dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))

@@ -18,6 +18,7 @@ import torch
 
 import bookkeeping
 import checkpoints
+import dumps
 import grpo
 import models
 import ppo
@@ -300,18 +301,18 @@ def test_principle6_output_dir_that_is_a_file_or_cannot_be_written(tmp_path, mon
 
 def test_principle6_dump_dir_of_another_run_or_a_file_is_refused(tmp_path):
     args = grpo.Args(dump_dir=str(tmp_path / "dumps"))
-    checkpoints.start_dumps(args, "grpo", "/runs/a")
+    dumps.start_dumps(args, "grpo", "/runs/a")
     (tmp_path / "dumps" / "step000001.safetensors").write_bytes(b"")
-    checkpoints.start_dumps(grpo.Args(dump_dir=str(tmp_path / "dumps")), "grpo", "/runs/a")  # the same run, resumed
+    dumps.start_dumps(grpo.Args(dump_dir=str(tmp_path / "dumps")), "grpo", "/runs/a")  # the same run, resumed
     with pytest.raises(UsageError, match=r"--dump-dir .*dumps already holds files of /runs/a: pass an empty or new"):
-        checkpoints.start_dumps(grpo.Args(dump_dir=str(tmp_path / "dumps")), "grpo", "/runs/b")
+        dumps.start_dumps(grpo.Args(dump_dir=str(tmp_path / "dumps")), "grpo", "/runs/b")
     (tmp_path / "stray").mkdir()
     (tmp_path / "stray" / "step000001.safetensors").write_bytes(b"")
     with pytest.raises(UsageError, match=r"already holds files of another run"):
-        checkpoints.start_dumps(grpo.Args(dump_dir=str(tmp_path / "stray")), "grpo", "/runs/b")
+        dumps.start_dumps(grpo.Args(dump_dir=str(tmp_path / "stray")), "grpo", "/runs/b")
     (tmp_path / "a-file").write_text("")
     with pytest.raises(UsageError, match=r"--dump-dir .*a-file is a file, not a folder"):
-        checkpoints.start_dumps(grpo.Args(dump_dir=str(tmp_path / "a-file")), "grpo", "/runs/b")
+        dumps.start_dumps(grpo.Args(dump_dir=str(tmp_path / "a-file")), "grpo", "/runs/b")
 
 
 def test_principle6_resume_with_another_output_dir_is_refused(tmp_path):

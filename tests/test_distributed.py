@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoints
 import common
 import distributed as dist
+import dumps
 import grpo
 import models
 import ppo
@@ -117,7 +117,7 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
     """Run each config with the fixed completions; save each optimizer step's loss (this process's share) and
     gradient norm (the whole batch's, before clipping)."""
     module = {"grpo": grpo, "ppo": ppo}[script]
-    losses, check = [], checkpoints.stop_if_not_finite
+    losses, check = [], dumps.stop_if_not_finite
 
     def record(step, run_dir, dump, reward, micro_terms, gradient):
         losses.append([sum(terms["loss"].item() for terms in micro_terms), dist.local(gradient).item()])

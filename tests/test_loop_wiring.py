@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import bookkeeping
-import checkpoints
 import common
+import dumps
 import errors
 import grpo
 import ppo
@@ -173,10 +173,10 @@ def test_one_nan_in_a_tensor_stops_the_run(tmp_path):
     Guards a check that asks whether any value is finite instead of all (one NaN row would train on)."""
     rewards = torch.tensor([0.5, float("nan"), 1.0])
     with pytest.raises(errors.UsageError, match=r"step 3: the reward is not finite.*no checkpoint was saved yet"):
-        checkpoints.check_finite(3, "reward", rewards, str(tmp_path), {"rewards": rewards})
+        dumps.check_finite(3, "reward", rewards, str(tmp_path), {"rewards": rewards})
     dumped = load_file(str(tmp_path / "nonfinite_step3.safetensors"))["rewards"]
     assert torch.equal(dumped.isnan(), rewards.isnan()) and dumped[0] == 0.5
-    checkpoints.check_finite(4, "reward", torch.tensor([0.5, 1.0]), str(tmp_path), {})
+    dumps.check_finite(4, "reward", torch.tensor([0.5, 1.0]), str(tmp_path), {})
     assert not os.path.exists(tmp_path / "nonfinite_step4.safetensors")
 
 

@@ -50,7 +50,7 @@ def test_gguf_becomes_an_ordinary_float32_folder(folder):
     assert models.resolve_model_path(GGUF_FILE) == folder  # converted once, then found in the cache
     model = models.load_causal_lm(GGUF_FILE, models.CPU)
     assert model.dtype == torch.float32 and getattr(model, "hf_quantizer", None) is None
-    assert 130e6 < models.count_parameters(model) < 140e6
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     # The embedding, dequantised independently by the gguf package, is the converted model's.
     (tensor,) = [t for t in GGUFReader(GGUF_FILE).tensors if t.name == "token_embd.weight"]
     expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(model.get_input_embeddings().weight.shape)
