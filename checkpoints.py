@@ -295,27 +295,29 @@ class StopSignal:
     (the last checkpoint on disk stays intact: saves are atomic)."""
 
     def __init__(self, checkpoint_dir):
-        self.name, self.checkpoint_dir = None, checkpoint_dir
+        self.signal = self.name = None  # the signal this process received; why the run stops, once decided
+        self.checkpoint_dir = checkpoint_dir
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
             if dist.world_size() > 1:  # restart a collective's interrupted system call (gloo aborts on EINTR)
                 signal.siginterrupt(sig, False)
 
     def _handle(self, signum, frame):
-        if self.name is not None:
+        if self.signal is not None:
             saved = os.path.isdir(self.checkpoint_dir)
             where = f"the last checkpoint is {self.checkpoint_dir}" if saved else "no checkpoint was saved"
             print(f"\n{signal.Signals(signum).name} again: stopped at once, in the middle of a step; {where}",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)  # not an exception: code that catches everything (a reward function) cannot hold it
-        self.name = signal.Signals(signum).name
-        print(f"\n{self.name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
+        self.signal = signal.Signals(signum).name
+        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
 
     def requested(self):
-        """Whether to stop after this step: a signal reached this process or, under torchrun, any other one (then
-        every process stops at this same step boundary)."""
-        if dist.any(self.name is not None) and self.name is None:
-            self.name = "a signal to another process"
+        """Whether to stop after this step: a signal reached this process or, under torchrun, any other one. Every
+        process decides from the one vote, never from its own flag, which a signal may set just after the vote:
+        a process that stopped alone would wait forever in the next collective for the others."""
+        if dist.any(self.signal is not None):
+            self.name = self.signal or "a signal to another process"
         return self.name is not None
 
     def exit(self, step, writer, script):
