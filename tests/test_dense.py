@@ -2,7 +2,9 @@
 earned them (whatever the padding, even when a byte-level tokenizer splits a character across tokens), PPO adds
 them to its per-token reward before GAE, GRPO takes their sum as the outcome, and bad ones get one-line errors."""
 
+import importlib.util
 import math
+import os
 import random
 
 import pytest
@@ -19,15 +21,12 @@ from tasks import Task, load_task
 
 
 def byte_tokenizer():
-    """Every UTF-8 byte one token (no merges), EOS/pad <|endoftext|>: "é" (2 bytes) is split across two tokens."""
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(["<|endoftext|>"] + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    """benchmarks/bench.py's: every UTF-8 byte one token, so "é" (2 bytes) is split across two tokens."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench.py")
+    spec = importlib.util.spec_from_file_location("bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.byte_tokenizer()
 
 
 def task_of(reward_fn):

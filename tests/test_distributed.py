@@ -225,27 +225,34 @@ def rank_pid(launcher, rank):
     raise AssertionError("no worker of that rank")
 
 
-GRPO_FLAGS = ["grpo.py", "--num-steps", "12", "--prompts-per-step", "4", "--group-size", "4", "--learning-rate", "5e-3"]
-
-
-@pytest.mark.slow
-def test_grpo_under_torchrun_learns_and_resumes(tmp_path, digits_task):
-    flags = [*GRPO_FLAGS, "--task", digits_task, "--sample-every", "0"]
+def learns_then_resumes_exactly(tmp_path, flags, finals):
+    """12 steps under torchrun with a checkpoint at step 8: the score rises; resumed from step 8 (the first run's
+    `finals` folders moved aside), the run ends with the same weights and the same scores."""
     run = torchrun(*flags, "--output-dir", str(tmp_path / "a"), "--save-every", "8")
     assert run.returncode == 0, run.stderr[-3000:]
     a = only_run(tmp_path / "a")
     score = scores(a)
     assert len(score) == 12 and sum(score[-3:]) / 3 > sum(score[:3]) / 3 + 0.25, score
     straight = final_weights(tmp_path / "a")
-    os.rename(os.path.join(a, "final"), os.path.join(tmp_path, "final"))
+    for name in finals:
+        os.rename(os.path.join(a, name), os.path.join(tmp_path, name))
 
-    run = torchrun(*flags, "--resume", os.path.join(a, "checkpoint"))  # from step 8
+    run = torchrun(*flags, "--resume", os.path.join(a, "checkpoint"))
     assert run.returncode == 0, run.stderr[-3000:]
     resumed = final_weights(tmp_path / "a")
     assert resumed.keys() == straight.keys()
     for key in straight:
         assert torch.equal(resumed[key], straight[key]), key
     assert scores(a) == score
+
+
+GRPO_FLAGS = ["grpo.py", "--num-steps", "12", "--prompts-per-step", "4", "--group-size", "4", "--learning-rate", "5e-3"]
+
+
+@pytest.mark.slow
+def test_grpo_under_torchrun_learns_and_resumes(tmp_path, digits_task):
+    flags = [*GRPO_FLAGS, "--task", digits_task, "--sample-every", "0"]
+    learns_then_resumes_exactly(tmp_path, flags, ["final"])
 
 
 @pytest.mark.slow
@@ -288,19 +295,4 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, digits_tas
 def test_ppo_under_torchrun_learns_and_resumes(tmp_path, digits_task):
     flags = ["ppo.py", "--task", digits_task, "--num-steps", "12", "--prompts-per-step", "8", "--learning-rate", "5e-3",
              "--sample-every", "0", "--target-kl", "0.1"]  # fmt: skip
-    run = torchrun(*flags, "--output-dir", str(tmp_path / "a"), "--save-every", "8")
-    assert run.returncode == 0, run.stderr[-3000:]
-    a = only_run(tmp_path / "a")
-    score = scores(a)
-    assert len(score) == 12 and sum(score[-3:]) / 3 > sum(score[:3]) / 3 + 0.25, score
-    straight = final_weights(tmp_path / "a")
-    for name in ("final", "critic"):
-        os.rename(os.path.join(a, name), os.path.join(tmp_path, name))
-
-    run = torchrun(*flags, "--resume", os.path.join(a, "checkpoint"))  # from step 8
-    assert run.returncode == 0, run.stderr[-3000:]
-    resumed = final_weights(tmp_path / "a")
-    assert resumed.keys() == straight.keys()
-    for key in straight:
-        assert torch.equal(resumed[key], straight[key]), key
-    assert scores(a) == score
+    learns_then_resumes_exactly(tmp_path, flags, ["final", "critic"])
