@@ -126,7 +126,7 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
         check(step, run_dir, dump, reward, micro_terms, gradient)
 
     patch(common, "generate", fixed_generate)
-    patch(checkpoints, "stop_if_not_finite", record)
+    patch(dumps, "stop_if_not_finite", record)
     results = []
     for i, config in enumerate(configs):
         settings = dict(BASE[script], **config)
