@@ -216,6 +216,38 @@ def table(out):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     print("\n".join(lines))
+    plot(out, os.path.join(REPO, "docs", "real_model.png"))
+
+
+def plot(out, path):
+    """The sampled score of every run in --out against the completions sampled (32 a step for each script)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no figure: matplotlib is not installed (pip install -r requirements-extra.txt)")
+        return
+    per_step = {"grpo": GRPO_FLAGS["prompts_per_step"] * GRPO_FLAGS["group_size"], "trl": GRPO_FLAGS["prompts_per_step"]
+                * GRPO_FLAGS["group_size"], "ppo": PPO_FLAGS["prompts_per_step"]}  # fmt: skip
+    labels = {"grpo": "grpo.py", "ppo": "ppo.py", "trl": "TRL GRPOTrainer"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for path_json in sorted(glob.glob(os.path.join(out, "*-seed*.json"))):
+        with open(path_json) as f:
+            r = json.load(f)
+        x = [per_step[r["run"]] * (i + 1) for i in range(len(r["score"]))]
+        ax.plot(x, r["score"], marker="o", ms=3, lw=1, ls="-" if r["seed"] == 1 else "--",
+                color={"grpo": "C0", "ppo": "C1", "trl": "C2"}[r["run"]], label=f"{labels[r['run']]}, seed {r['seed']}")
+    ax.set_xlabel("completions sampled")
+    ax.set_ylabel("sampled score (share of right sums)")
+    ax.set_title("SmolLM2-135M-Instruct on addition, this CPU", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"figure: {path}")
 
 
 def main():
