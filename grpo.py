@@ -261,8 +261,8 @@ def main(args, flags_given=()):
             rewards = b_scores.sum(1)  # [N]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
-            b_rewards = dist.gather(rewards)  # every process's rewards, for the batch std and the logs
-            advantages = group_advantages(b_rewards, args.group_size, args.scale_rewards)[dist.rows(len(rewards))]  # [N]
+            all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
+            advantages = group_advantages(all_rewards, args.group_size, args.scale_rewards)[dist.rows(len(rewards))]  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -294,7 +294,7 @@ def main(args, flags_given=()):
                     old_logp = b_old_logp[micro] if b_old_logp is not None else new_logp.detach()
                     ref_logp = b_ref_logp[micro] if b_ref_logp is not None else None
                     loss, terms = grpo_loss(
-                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], len(b_rewards), num_tokens, args)
+                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], len(all_rewards), num_tokens, args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -305,18 +305,18 @@ def main(args, flags_given=()):
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        score_mean = b_rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
+        score_mean = all_rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
         history["score"].append(score_mean)
         lengths = dist.gather(b_mask.sum(1).float())
         history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/score", score_mean, step)
-        writer.add_scalar("charts/reward_std", b_rewards.std().item(), step)
+        writer.add_scalar("charts/reward_std", all_rewards.std().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
         bookkeeping.log_losses(writer, step, updates, args)
-        baseline = b_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
-        explained_variance = common.explained_variance(baseline, b_rewards, torch.ones_like(b_rewards)).item()
+        baseline = all_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
+        explained_variance = common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)).item()
         writer.add_scalar("losses/explained_variance", explained_variance, step)
         writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)

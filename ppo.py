@@ -121,8 +121,11 @@ def check_args(args):
                                "update_epochs", "num_minibatches", "micro_batch_size", "kl_horizon")  # fmt: skip
     dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
     batch_size = args.prompts_per_step * args.samples_per_prompt
-    if batch_size // dist.world_size() % args.num_minibatches:  # each process's batch
-        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {batch_size // dist.world_size()} completions{' per process' * (dist.world_size() > 1)}: pick a divisor")
+    per_process = batch_size // dist.world_size()
+    if per_process % args.num_minibatches:
+        where = " per process" if dist.world_size() > 1 else ""
+        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions{where}: "
+                         "pick a divisor")
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
     bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
@@ -421,7 +424,8 @@ def main(args, flags_given=()):
         bookkeeping.log_losses(writer, step, updates, args)
         if ref_model is not None:
             writer.add_scalar("losses/kl_ref", dist.masked_mean(kl, b_mask).item(), step)
-        writer.add_scalar("losses/explained_variance", common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean), step)
+        explained_variance = common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean).item()
+        writer.add_scalar("losses/explained_variance", explained_variance, step)
         writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
         bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
