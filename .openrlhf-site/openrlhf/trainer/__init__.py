@@ -1,0 +1,1 @@
+# No implicit imports of deepspeed here to avoid vllm environment gets comtaminated
