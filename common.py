@@ -295,6 +295,13 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def select_rows(batch, rows):
+    """The rows `rows` (a slice or indices) of every per-completion tensor of a batch dict (those as long as its
+    completion_mask); other entries (None, counts, per-step scalars) are kept as they are."""
+    n = len(batch["completion_mask"])
+    return {k: v[rows] if torch.is_tensor(v) and v.dim() > 0 and len(v) == n else v for k, v in batch.items()}
+
+
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
     """Share of real tokens whose gradient the clip cut off (the clipped term was the larger loss)."""
     ratio = torch.exp(logratio)

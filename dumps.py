@@ -75,11 +75,11 @@ def check_finite(step, what, value, run_dir, tensors):
     )
 
 
-def batch_dump(rollout, micro_terms, keys):
+def batch_dump(rollout, micro_terms, keys, **extra):
     """A step's batch for --dump-dir and for a NaN stop: the rollout's tensors, these micro-batches' `keys`
-    (concatenated by dump_batch) and their loss (summed: each micro-batch's is its share of the update's)."""
+    (concatenated by dump_batch), their loss (summed: each micro-batch's is its share of the update's), `extra`."""
     pieces = {key: [terms[key] for terms in micro_terms] for key in keys}
-    return dict(rollout, **pieces, loss=sum(terms["loss"].item() for terms in micro_terms))
+    return dict(rollout, **pieces, loss=sum(terms["loss"].item() for terms in micro_terms), **extra)
 
 
 def stop_if_not_finite(step, run_dir, dump, reward, micro_terms, gradient):

@@ -14,7 +14,7 @@ surrogate plus a k3 KL term to a frozen reference model.
 Where this departs from the paper:
   1. With num_iterations = 1 (the default) the old policy is the current one, so the ratio is 1 and the
      clip never acts; the old log-probs are only computed, once per step, when num_iterations > 1.
-  2. The reward std has an eps of 1e-4 added, so an all-equal group gets advantage 0, not NaN.
+  2. The reward std has an eps of 1e-4 added (--adv-eps), so an all-equal group gets advantage 0, not NaN.
   3. The log-probs use logits divided by the sampling temperature, the distribution that sampled.
   4. --scale-rewards, --loss-agg and --importance-level switch in the Dr. GRPO, DAPO and GSPO variants.
   5. The default run divides the advantages by the std of the whole batch's rewards (--scale-rewards batch),
@@ -89,6 +89,8 @@ class Args(bookkeeping.RunArgs):
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
     scale_rewards: Literal["group", "batch", "none"] = "batch"
     """divide (r - group mean) by the group's std (paper), the batch's std, or nothing (Dr. GRPO)"""
+    adv_eps: float = 1e-4
+    """added to that std (TRL 1e-4, verl 1e-6, OpenRLHF 1e-9): a peer's value makes a dump it matches exactly"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
     bias_corrected_kl: bool = True
@@ -134,6 +136,12 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     return advantages.view(-1)
+
+
+def compute_advantages(batch, args):
+    """The advantage of every completion, [N], from a batch of whole groups (batch["rewards"], [N]): the one
+    entry point the training loop and verify.py's self-check call. A new advantage goes here."""
+    return group_advantages(batch["rewards"], args.group_size, args.scale_rewards, args.adv_eps)
 
 
 def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
@@ -205,6 +213,16 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
     return loss, {key: value.detach() for key, value in terms.items() if value is not None}
 
 
+def compute_loss(outputs, batch, args):
+    """The loss entry point the training loop and verify.py's self-check call: grpo_loss on a (micro-)batch of the
+    dump's names (old_logp None when num_iterations = 1: ratio 1; ref_logp absent when beta = 0; num_seqs and
+    num_tokens: the whole batch's), from the policy's outputs (new_logp). A new loss term goes here."""
+    new_logp, old_logp = outputs["new_logp"], batch.get("old_logp")
+    old_logp = new_logp.detach() if old_logp is None else old_logp
+    return grpo_loss(new_logp, old_logp, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
+                     batch["num_seqs"], batch["num_tokens"], args)
+
+
 def main(args, flags_given=()):
     preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
     check_args(args)
@@ -262,7 +280,7 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
-            advantages = group_advantages(all_rewards, args.group_size, args.scale_rewards)[dist.rows(len(rewards))]  # [N]
+            advantages = compute_advantages(dict(rewards=all_rewards), args)[dist.rows(len(rewards))]  # [N]
 
             b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -277,6 +295,7 @@ def main(args, flags_given=()):
                 b_ref_logp = forward(ref_model) if ref_model else None
             rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                            completion_mask=b_mask, rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
+            batch = dict(rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
@@ -291,10 +310,7 @@ def main(args, flags_given=()):
                             policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
                             return_entropy=True,
                         )  # [n, T]
-                    old_logp = b_old_logp[micro] if b_old_logp is not None else new_logp.detach()
-                    ref_logp = b_ref_logp[micro] if b_ref_logp is not None else None
-                    loss, terms = grpo_loss(
-                        new_logp, old_logp, ref_logp, advantages[micro], b_mask[micro], len(all_rewards), num_tokens, args)
+                    loss, terms = compute_loss(dict(new_logp=new_logp), common.select_rows(batch, micro), args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

@@ -100,6 +100,8 @@ class Args(bookkeeping.RunArgs):
     """discount factor of GAE"""
     lam: float = 0.95
     """lambda of GAE"""
+    adv_eps: float = 1e-8
+    """added to the advantages' variance when whitening them: a peer's value makes a dump it matches exactly"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     cliprange_value: float = 0.2
@@ -112,7 +114,7 @@ class Args(bookkeeping.RunArgs):
 # learning rate); a flag given on the command line wins. Printed at start.
 HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
                     update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8)
-DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "per_token_loss")  # the first micro-batch's
+DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")  # of one micro-batch
 
 
 def check_args(args):
@@ -277,6 +279,31 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
     return loss, {key: value.detach() for key, value in terms.items()}
 
 
+def compute_rewards(batch, args):
+    """The per-token reward [N, T] and the KL it penalises [N, T], from a batch of the dump's names (token_scores: the
+    task's reward on the tokens that earned it). The entry point the loop and verify.py's self-check call."""
+    mask = batch["completion_mask"]
+    has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)  # [N]
+    penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
+    kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
+    return -batch["kl_coef"] * kl + (batch["token_scores"] - penalty), kl
+
+
+def compute_advantages(batch, args, mean=common.masked_mean):
+    """(advantages, returns) [N, T]: GAE over the batch's values and rewards, the advantages whitened over real
+    tokens (`mean`: under torchrun, every process's). The entry point the loop and verify.py's self-check call."""
+    mask = batch["completion_mask"]
+    advantages, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, args.lam)
+    return masked_whiten(advantages, mask, eps=args.adv_eps, mean=mean), returns
+
+
+def compute_loss(outputs, batch, args):
+    """ppo_loss from the models' outputs (new_logp, new_values) on a micro-batch of the dump's names (num_tokens:
+    its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term goes here."""
+    return ppo_loss(outputs["new_logp"], batch["old_logp"], batch["advantages"], outputs["new_values"],
+                    batch["values"], batch["returns"], batch["completion_mask"], batch["num_tokens"], args)
+
+
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
     """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
 
@@ -362,19 +389,14 @@ def main(args, flags_given=()):
                 b_values = torch.cat([token_values(critic, b_input_ids[m], b_attention_mask[m], b_mask[m])
                                       for m in micro_batches])  # fmt: skip
 
-            # ALGO LOGIC: per-token reward = -kl_coef * KL to the reference on every token, + the task's reward where
-            # it was earned (an outcome score: the last token, as the missing-EOS penalty). Dense credit goes into GAE.
-            has_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=device)) & b_mask.bool()).any(1)
-            penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), b_mask)  # [N, T]
-            kl = kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
-            b_rewards = -kl_coef * kl + (b_scores - penalty)  # [N, T]
-            # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
-            b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
-            b_advantages = masked_whiten(b_advantages, b_mask, mean=dist.masked_mean)  # over every process's tokens
-            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                           completion_mask=b_mask, scores=scores, rewards=b_rewards, values=b_values,
-                           returns=b_returns, advantages=b_advantages, old_logp=b_old_logp, ref_logp=b_ref_logp,
-                           kl_coef=torch.tensor(kl_coef))  # fmt: skip
+            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
+                           scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
+                           eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
+            # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
+            # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
+            b_rewards, kl = compute_rewards(rollout, args)  # [N, T] each
+            b_advantages, b_returns = compute_advantages(dict(rollout, rewards=b_rewards), args, mean=dist.masked_mean)
+            rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
@@ -397,13 +419,14 @@ def main(args, flags_given=()):
                                 return_entropy=True,
                             )  # [n, T]
                             new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
-                        loss, terms = ppo_loss(new_logp, b_old_logp[micro], b_advantages[micro], new_values,
-                                               b_values[micro], b_returns[micro], b_mask[micro], mb_tokens, args)
+                        micro_batch = {k: rollout[k][micro] for k in ("old_logp", "advantages", "values", "returns", "completion_mask")}
+                        loss, terms = compute_loss(dict(new_logp=new_logp, new_values=new_values), dict(micro_batch, num_tokens=mb_tokens), args)
                         loss.backward()
                         updates[-1].append(dict(terms, entropy=entropy, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    dump = dumps.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
+                    # Dumped: the last update's first micro-batch (the models have moved), every minibatch's rows in order.
+                    dump = dumps.batch_dump(rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
                     dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
                     optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir

@@ -152,13 +152,21 @@ def copy_task(digits=3, dense=False, max_examples=10_000, seed=1234):
 
 
 def copy_form(arg):
-    """copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20."""
+    """copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20; copy:LOW-HIGH mixes as many prompts of each length
+    LOW to HIGH, so a batch holds left-padded prompts (what verify.py's recommended dump needs)."""
     digits, _, dense = arg.partition(":")
-    if not (digits.isdigit() and 1 <= int(digits) <= 20 and dense in ("", "dense")):
-        raise UsageError(
-            f"task copy:{arg}: write copy:DIGITS or copy:DIGITS:dense, DIGITS from 1 to 20, e.g. copy:8:dense"
-        )
-    return copy_task(int(digits), dense == "dense")
+    low, _, high = digits.partition("-")
+    high = high or low
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 20 and dense in ("", "dense")):
+        raise UsageError(f"task copy:{arg}: write copy:DIGITS, copy:LOW-HIGH or either with :dense, DIGITS from 1 "
+                         "to 20, e.g. copy:8:dense or copy:1-4")  # fmt: skip
+    tasks = [copy_task(d, dense == "dense") for d in range(int(low), int(high) + 1)]
+    if len(tasks) == 1:
+        return tasks[0]
+    n_train, n_test = min(len(t.train) for t in tasks), min(len(t.test) for t in tasks)  # as many of each length
+    train, test = [ex for t in tasks for ex in t.train[:n_train]], [ex for t in tasks for ex in t.test[:n_test]]
+    random.Random(1234).shuffle(train)
+    return Task(f"copy:{arg}", train, test, tasks[0].reward_fn)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,26 +1,44 @@
 """Verify another implementation against this one, from a dump, in one command.
 
-    python grpo.py --num-steps 3 --beta 0.1 --dump-dir dumps    # any flags: the dump records them
-    python verify.py dumps --against self                      # this project against its own dump: passes
-    python verify.py dumps --against trl                       # TRL's GRPOTrainer (requirements-extra.txt)
-    python verify.py dumps --against trl --set use_bias_correction_kl=false
-    python verify.py dumps --against my_adapter.py             # your code, through an adapter you write
+    python grpo.py --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-2 --clip-low 0.05 \\
+        --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --dump-dir dumps/grpo    # the recommended GRPO dump
+    python ppo.py --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
+        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1 \\
+        --kl-horizon 100 --max-new-tokens 4 --dump-dir dumps/ppo                 # the recommended PPO dump
+    python verify.py dumps/grpo --against self                 # this project against its own dump: passes
+    python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements-extra.txt)
+    python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements-openrlhf.txt)
+    python verify.py dumps/ppo --against my_adapter.py         # your code, through an adapter you write
 
-Each quantity of each step is recomputed by the other implementation and compared; the table has one row
-per quantity (the largest difference over the steps checked), its tolerance, and pass or fail. The exit
-status is 0 only when every check that ran passed; a skipped check says why.
+Make the dump with your implementation's settings (its advantage eps is --adv-eps; its KL form, loss
+aggregation and clip ranges are flags too). The recommended dumps exercise every branch a row checks: prompts
+of different lengths (left padding), completions that end early and some without EOS, ratios away from 1
+(GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped on both sides, values
+moved and clipped, a KL that is not 0 (steps 2 and 3) and a moving KL coefficient. A row whose branch no step
+exercised says so ("never exercised: ..."), in place of a plain pass.
 
-  advantages      GRPO: group statistics of the stored rewards; PPO: GAE advantages (whitened) and returns
+Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
+positions; the table has one row per quantity (the largest difference over the steps), its tolerance, and the
+result. A NaN or inf fails its row.
+
+  advantages      GRPO: from the stored rewards; PPO: GAE from the stored rewards and values, whitened
+  rewards         PPO: the per-token reward from token_scores, log-probs, kl_coef, the mask and the EOS penalty
+  returns         PPO: GAE's returns
+  kl_coef         PPO: each step's coefficient from the previous step's, by the adaptive controller
   log-probs       per-token log-probs of the policy and of the reference, from the weights the step used
-  kl              the KL term to the reference, per token, from the stored log-probs (against this project's)
-  per-token loss  from the stored log-probs and advantages (PPO: and values)
+  kl              the KL term (GRPO) or penalty (PPO) to the reference, per token, from the stored log-probs
+  per-token loss  from the stored log-probs, advantages (PPO: and values) of the dumped (micro-)batch
   loss            the aggregated loss
-  gradient        of the loss, from the same weights and batch, against this project's (the strongest check)
-  update          one optimizer step from the initial weights, scored by step 2's stored log-probs
+  gradient        of the loss, from the replayed weights and the same batch (the strongest check)
+  update          GRPO: the adapter's own optimizer stepped from the initial weights through every step, its
+                  state carried over, scored by the next step's stored log-probs
 
-Weights: step 1 starts from --model. GRPO's later weights are replayed here from the stored batches with this
-project's loss and AdamW, and each replay is checked against the stored log-probs before it is used. PPO's
-later weights would need every minibatch's rows, which the dump keeps for the first micro-batch only.
+Weights: step 1 starts from --model; later weights (and PPO's moved models within a step) are replayed here
+from the stored batches with this project's loss and AdamW, each replay checked against the stored log-probs.
+
+Exit status: 0 every check that ran passed (or differs by a known difference passed to --accept); 1 a check
+failed; 2 bad input (the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, does not
+compile, returns None, a non-tensor or the wrong shape, a train_loss without autograd); 130 interrupted.
 
 An adapter is a Python file that defines some of these functions (a check whose function is missing, or
 raises NotImplementedError(reason), is skipped). `batch` holds the dump's tensors (README, "Verify your
@@ -28,193 +46,177 @@ implementation"), plus num_seqs and num_tokens, the loss's denominators; `args` 
 plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
 
   group_advantages(batch, args) -> [N] or [N, T]     gae(batch, args) -> (advantages, returns), [N, T] each
+  rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)
   token_logprobs(model, batch, args) -> [N, T]       kl(batch, args) -> [N, T]
   per_token_loss(batch, args) -> [N, T]              loss(batch, args) -> scalar
   train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, whose gradient is compared
-  update(model, batch, args): one optimizer step in place, from fresh optimizer state
+  update(model, batch, args, state): one training step in place; `state`, a dict, is kept from step to step
   OPTIONS = {name: default}, changed by --set name=value; setup(args, options, model), called once with a
-  copy of the initial policy; differences(args, options) -> the known differences (one line each) that the
-  run's flags switch on, printed under the table.
+  copy of the initial policy; differences(args, options) -> lines printed under the table;
+  known_differences(args, options) -> {quantity: what differs and its source}: `--accept QUANTITY` shows that
+  row as "differs (known: ...)" and does not fail on it (only that quantity; never shown as a pass).
 """
 
 import argparse
 import copy
-import glob
-import importlib.util
-import json
-import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-QUANTITIES = ["advantages", "returns", "log-probs", "kl", "per-token loss", "loss", "gradient", "update"]
-# (kind, value): "abs" bounds max |ours - theirs|, "rel" bounds it over max |ours|. Float32 on CPU; a dump made
-# under bf16 autocast needs --tol log-probs=1e-2. Adam's first step is about lr * sign(gradient), so a gradient
-# element near 0 may move either way in two right implementations: the update gets 1e-4.
-TOLERANCES = {
-    "advantages": ("abs", 1e-6), "returns": ("abs", 1e-6), "log-probs": ("abs", 1e-5), "kl": ("abs", 1e-6),
-    "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5), "update": ("abs", 1e-4),
-}  # fmt: skip
-FUNCTIONS = ["group_advantages", "gae", "token_logprobs", "kl", "per_token_loss", "loss", "train_loss",
-             "update"]
+from common import select_rows
+from verify_report import (MICRO_KEYS, QUANTITIES, STEP_KEYS, TOLERANCES, AdapterError, Interrupted, Report,  # noqa: F401
+                           VerifyError, as_tensor, call, load_adapter, load_dump, one_line, parse_options,
+                           parse_tolerances)  # fmt: skip
+
+EARLY = "a completion that ends early"
 
 
-class VerifyError(Exception):
-    """Bad input (dump, adapter, flags): reported as one line, exit status 2."""
-
-
-def load_adapter(name):
-    """A shipped adapter (adapters/NAME.py) or a path to a .py file."""
-    path = name if name.endswith(".py") or os.sep in name else os.path.join(ROOT, "adapters", f"{name}.py")
-    if not os.path.isfile(path):
-        shipped = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "adapters", "*.py")))
-        raise VerifyError(f"no adapter {name!r}: pass one of {', '.join(shipped)} or the path of a .py file")
-    label = os.path.basename(path)[:-3]
-    spec = importlib.util.spec_from_file_location(f"verify_adapter_{label}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        raise VerifyError(f"adapter {label!r} cannot be imported: {e}") from None
-    if not any(callable(getattr(module, f, None)) for f in FUNCTIONS):
-        raise VerifyError(f"adapter {label!r} ({path}) defines none of the functions {', '.join(FUNCTIONS)}")
-    module.label = label
-    return module
-
-
-def parse_options(adapter, pairs):
-    """--set name=value pairs, checked against the adapter's OPTIONS and typed like their defaults."""
-    options = dict(getattr(adapter, "OPTIONS", {}))
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in options:
-            known = f"(options: {', '.join(options) or 'none'})"
-            raise VerifyError(f"--set {pair!r}: adapter {adapter.label!r} has no option {key!r} {known}")
-        if isinstance(options[key], bool):
-            if value.lower() not in ("true", "false"):
-                raise VerifyError(f"--set {pair!r}: {key} takes true or false")
-            options[key] = value.lower() == "true"
-        else:
-            options[key] = type(options[key])(value)
-    return options
-
-
-def load_dump(dump_dir):
-    """(the run's Args as a dict, plus "script"; {step: tensors}), or one line saying why this is not a dump."""
-    meta_path = os.path.join(dump_dir, "metadata.json")
-    if not os.path.isfile(meta_path):
-        raise VerifyError(f"{dump_dir!r} is not a dump folder (no metadata.json): pass a run's --dump-dir")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        args = dict(meta["args"], script=meta["script"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise VerifyError(f"{meta_path} is not a dump's metadata ({type(e).__name__}: {e})") from None
-    if args["script"] not in ("grpo", "ppo"):
-        raise VerifyError(f"{meta_path} is from {args['script']!r}, not grpo or ppo")
-    paths = sorted(glob.glob(os.path.join(dump_dir, "step*.safetensors")))
-    if not paths:
-        raise VerifyError(f"{dump_dir!r} has no stepNNNNNN.safetensors: the run stopped before its first step")
-    steps = {}
-    for path in paths:
-        try:
-            steps[int(os.path.basename(path)[4:-12])] = load_file(path)
-        except Exception as e:  # a truncated or foreign file
-            raise VerifyError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
-    for step, d in steps.items():
-        missing = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} - d.keys()
-        if missing:
-            raise VerifyError(f"step {step} lacks {', '.join(sorted(missing))}: not a dump of this project")
-        shape = tuple(d["completion_mask"].shape)
-        for key, value in d.items():
-            if value.dim() == 2 and not key.startswith("prompt") and value.shape[1] != shape[1]:
-                raise VerifyError(f"step {step}: {key} has shape {tuple(value.shape)}, completion_mask {shape}")
-        if d["prompt_ids"].shape != d["prompt_mask"].shape or len(d["prompt_ids"]) != shape[0]:
-            prompt = tuple(d["prompt_ids"].shape)
-            raise VerifyError(f"step {step}: prompt_ids {prompt} do not fit {shape[0]} completions")
-    return args, steps
-
-
-class Report:
-    """One row per quantity: the worst difference over the steps checked, or why it was skipped."""
-
-    def __init__(self, tolerances):
-        self.rows = {q: dict(steps={}, abs=0.0, rel=0.0, skip=None) for q in QUANTITIES}  # steps: {step: diffs}
-        self.tolerances = tolerances
-
-    def skip(self, quantity, reason):
-        if reason and not self.rows[quantity]["steps"] and self.rows[quantity]["skip"] is None:
-            self.rows[quantity]["skip"] = reason
-
-    def add(self, quantity, step, actual, expected, mask=None, what=""):
-        if actual is None:
-            return
-        if expected is None:
-            return self.skip(quantity, f"the dump has no {what}")
-        actual = torch.as_tensor(actual).detach().float().cpu()
-        expected = torch.as_tensor(expected).detach().float().cpu()
-        if actual.shape != expected.shape:
-            theirs, ours = tuple(actual.shape), tuple(expected.shape)
-            raise VerifyError(f"step {step}: the adapter's {quantity} are {theirs}, the dump's {what} {ours}")
-        if mask is not None:
-            actual, expected = actual * mask, expected * mask
-        diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-        scale = expected.abs().max().item() if expected.numel() else 0.0
-        row, diffs = self.rows[quantity], dict(abs=diff, rel=diff / max(scale, 1e-30))
-        for kind, value in diffs.items():
-            row[kind] = max(row[kind], value)
-        row["steps"][step] = {k: max(v, row["steps"].get(step, {}).get(k, 0.0)) for k, v in diffs.items()}
-        row["skip"] = None
-
-    def passed(self, quantity):
-        row, (kind, tol) = self.rows[quantity], self.tolerances[quantity]
-        return row[kind] <= tol if row["steps"] else None
-
-    def table(self):
-        lines = ["| quantity | steps | max abs diff | max rel diff | tolerance | result |", "|---" * 6 + "|"]
-        for q, row in self.rows.items():
-            kind, tol = self.tolerances[q]
-            if row["steps"]:
-                steps, result = ",".join(map(str, sorted(row["steps"]))), "pass" if self.passed(q) else "FAIL"
-                failing = [str(s) for s, diffs in sorted(row["steps"].items()) if diffs[kind] > tol]
-                result += f" at step {','.join(failing)}" if failing else ""
-                diffs = f"{row['abs']:.2e} | {row['rel']:.2e}"
-                lines.append(f"| {q} | {steps} | {diffs} | {kind} {tol:.0e} | {result} |")
-            elif row["skip"]:
-                lines.append(f"| {q} | - | - | - | {kind} {tol:.0e} | skip: {row['skip']} |")
-        return "\n".join(lines)
-
-    def failures(self):
-        return [q for q in self.rows if self.passed(q) is False]
-
-
-def call(adapter, name, *args, **kwargs):
-    """The adapter's function's result and None, or None and why not (no such function, NotImplementedError)."""
-    fn = getattr(adapter, name, None)
-    if fn is None:
-        return None, f"adapter has no {name}()"
-    try:
-        return fn(*args, **kwargs), None
-    except NotImplementedError as e:
-        return None, str(e) or f"{name}() is not implemented for this run"
-
-
-def whole_batch(d):
+def whole_batch(d, args):
+    """The step's batch (PPO: without its one micro-batch's tensors) with the loss's denominators."""
     mask = d["completion_mask"]
-    return dict(d, num_seqs=len(mask), num_tokens=int(mask.sum()))
+    batch = {k: v for k, v in d.items() if args["script"] == "grpo" or k not in MICRO_KEYS}
+    return dict(batch, num_seqs=len(mask), num_tokens=int(mask.sum()))
 
 
 def ppo_micro_batch(d):
-    """The dump's first micro-batch with the log-probs and values its loss used (divided by its minibatch's)."""
-    idx = d["micro_index"] if "micro_index" in d else d.get("mb_index")  # named mb_index in older dumps
-    if idx is None or "minibatch_index" not in d:
+    """The dumped micro-batch with the log-probs and values its loss used (its loss divides by its minibatch's)."""
+    if "micro_index" not in d or "minibatch_index" not in d:
         return None
-    batch = {k: v[idx] for k, v in d.items() if v.dim() > 0 and len(v) == len(d["completion_mask"])}
-    minibatch = d["minibatch_index"]
-    return dict(batch, new_logp=d["new_logp"], new_values=d["new_values"], kl_coef=d["kl_coef"],
-                num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
+    idx, minibatch = d["micro_index"], d["minibatch_index"]
+    rows = {k: v[idx] for k, v in d.items() if k not in MICRO_KEYS + STEP_KEYS and v.dim() > 0}
+    whole = {k: d[k] for k in MICRO_KEYS[2:] + STEP_KEYS if k in d}
+    return dict(rows, **whole, num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
+
+
+def compare(report, quantity, step, adapter, fn, value, expected, mask=None, what=""):
+    """The adapter's `value` (from `fn`) against the dump's `expected`, which must have the same shape."""
+    if value is None:
+        return
+    if expected is None:
+        return report.skip(quantity, f"the dump has no {what}")
+    actual = as_tensor(adapter, fn, value)
+    if actual.shape != expected.shape:
+        raise AdapterError(f"adapter {adapter.label!r}: {fn}() returned shape {tuple(actual.shape)} at step {step}; "
+                           f"the dump's {what} is {tuple(expected.shape)}")  # fmt: skip
+    report.add(quantity, step, actual, expected, mask, what)
+
+
+def loss_conditions(report, quantities, ref, batch, args):
+    """What a loss row exercises on this batch, read from this project's own per-token terms."""
+    _, terms = ref._loss(batch, args)
+    real = batch["completion_mask"].bool()
+    ratio, adv = terms["logratio"].exp()[real], terms["advantages"].expand_as(real)[real]
+    low, high = ratio < 1 - args["clip_low"], ratio > 1 + args["clip_high"]
+    for q in quantities:
+        report.exercise(q, "a ratio away from 1", ((ratio - 1).abs() > 1e-6).any())
+        report.exercise(q, "a ratio clipped below with A < 0", (low & (adv < 0)).any())
+        report.exercise(q, "a ratio clipped above with A > 0", (high & (adv > 0)).any())
+        report.exercise(q, "a ratio out of the clip range where the clip does not bind", ((low & (adv > 0)) |
+                        (high & (adv < 0))).any())  # fmt: skip
+        if args["script"] == "ppo":
+            moved = (terms["new_values"] - terms["old_values"])[real]
+            report.exercise(q, "values moved from the rollout's", (moved != 0).any())
+            report.exercise(q, "a value clipped (|V - V_old| > cliprange_value)", (moved.abs() > args["cliprange_value"]).any())
+        elif "kl_ref" in terms:
+            report.exercise(q, "a KL that is not 0", (terms["kl_ref"][real] != 0).any())
+
+
+def check_advantages(report, adapter, step, d, batch, args):
+    mask = d["completion_mask"]
+    if args["script"] == "grpo":
+        adv, why = call(adapter, "group_advantages", batch, args)
+        expected = d.get("advantages")
+        if adv is not None and expected is not None:
+            adv = as_tensor(adapter, "group_advantages", adv)
+            adv = adv[:, 0] if adv.shape == (len(mask), 1) else adv
+            if adv.shape == mask.shape:  # one advantage per token: compared on the real tokens
+                adv, expected = adv, expected[:, None].expand_as(mask)
+        compare(report, "advantages", step, adapter, "group_advantages", adv, expected,
+                mask if expected is not None and expected.dim() == 2 else None, "advantages")  # fmt: skip
+        report.skip("advantages", why)
+        group_std = d["rewards"].view(-1, args["group_size"]).std(1)
+        report.exercise("advantages", "a group whose rewards differ", (group_std > 0).any())
+        return
+    out, why = call(adapter, "gae", batch, args)
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+        raise AdapterError(f"adapter {adapter.label!r}: gae() returned {type(out).__name__}, not (advantages, returns)")
+    compare(report, "advantages", step, adapter, "gae", out and out[0], d.get("advantages"), mask, "advantages")
+    compare(report, "returns", step, adapter, "gae", out and out[1], d.get("returns"), mask, "returns")
+    for q in ("advantages", "returns"):
+        report.skip(q, why)
+        report.exercise(q, EARLY, (mask[:, -1] == 0).any())
+
+
+def check_rewards(report, adapter, ref, step, d, batch, args):
+    """PPO's per-token reward: from token_scores, the log-probs, kl_coef, the mask and the EOS penalty."""
+    if "token_scores" not in d or "eos_ids" not in d:
+        return report.skip("rewards", "the dump has no token_scores and eos_ids (made by an older version)")
+    theirs, why = call(adapter, "rewards", batch, args)
+    mask = d["completion_mask"]
+    compare(report, "rewards", step, adapter, "rewards", theirs, d.get("rewards"), mask, "rewards")
+    report.skip("rewards", why)
+    has_eos = (torch.isin(d["completion_ids"], d["eos_ids"]) & mask.bool()).any(1)
+    report.exercise("rewards", "a KL that is not 0", (ref.rewards_kl(batch, args) != 0).any() and d["kl_coef"] != 0)
+    report.exercise("rewards", "a completion without EOS, with --missing-eos-penalty > 0",
+                    (~has_eos).any() and args["missing_eos_penalty"] > 0)  # fmt: skip
+    report.exercise("rewards", "a completion with EOS", has_eos.any())
+    report.exercise("rewards", EARLY, (mask[:, -1] == 0).any())
+
+
+def check_pure(report, adapter, ref, step, d, args):
+    """Everything computed from the stored tensors alone."""
+    batch = whole_batch(d, args)
+    check_advantages(report, adapter, step, d, batch, args)
+    if args["script"] == "grpo":
+        for q in ("rewards", "returns", "kl_coef"):
+            report.skip(q, "GRPO has none")
+        loss_batch = batch
+    else:
+        check_rewards(report, adapter, ref, step, d, batch, args)
+        loss_batch = ppo_micro_batch(d)
+        if loss_batch is None:
+            for q in ("per-token loss", "loss", "gradient"):
+                report.skip(q, "the dump has no micro_index and minibatch_index (a micro-batch's rows)")
+            loss_batch = batch
+    kl_batch = batch if args["script"] == "ppo" else loss_batch
+    if args["script"] == "ppo" and args["kl_coef"] == 0 and args["target_kl"] is None:
+        report.skip("kl", "no KL penalty (--kl-coef 0)")
+    elif args["script"] == "grpo" and args["beta"] == 0:
+        report.skip("kl", "no KL term (--beta 0)")
+    else:
+        theirs, why = call(adapter, "kl", kl_batch, args)
+        ours, mask = torch.as_tensor(ref.kl(kl_batch, args)), kl_batch["completion_mask"].bool()
+        compare(report, "kl", step, adapter, "kl", theirs, ours, mask, "kl")
+        report.skip("kl", why)
+        report.exercise("kl", "a KL that is not 0", (ours[mask] != 0).any())
+    if "new_logp" not in loss_batch:
+        return
+    mask = loss_batch["completion_mask"]
+    theirs, why = call(adapter, "per_token_loss", loss_batch, args)
+    compare(report, "per-token loss", step, adapter, "per_token_loss", theirs, d.get("per_token_loss"), mask,
+            "per_token_loss")  # fmt: skip
+    report.skip("per-token loss", why)
+    theirs, why = call(adapter, "loss", loss_batch, args)
+    compare(report, "loss", step, adapter, "loss", theirs, d.get("loss"), None, "loss")
+    report.skip("loss", why)
+    loss_conditions(report, ["per-token loss", "loss"], ref, loss_batch, args)
+
+
+def check_kl_coef(report, adapter, ref, steps, args):
+    """PPO: each step's stored kl_coef from the previous step's batch, by the adapter's controller."""
+    if args["script"] != "ppo" or args["target_kl"] is None:
+        return report.skip("kl_coef", "constant without --target-kl" if args["script"] == "ppo" else "GRPO has none")
+    for step in sorted(steps):
+        if step + 1 not in steps:
+            continue
+        batch = whole_batch(steps[step], args)
+        theirs, why = call(adapter, "kl_coef", batch, args)
+        compare(report, "kl_coef", step + 1, adapter, "kl_coef", theirs, steps[step + 1]["kl_coef"], None, "kl_coef")
+        report.skip("kl_coef", why)
+        error = ref.rewards_kl(batch, args).sum(1).mean().item() / args["target_kl"] - 1
+        report.exercise("kl_coef", "a KL error within +-0.2 of the target (not clipped)", abs(error) < 0.2)
+        report.exercise("kl_coef", "a KL error beyond +-0.2 (clipped)", abs(error) > 0.2)
+    report.skip("kl_coef", "needs two consecutive steps")
 
 
 def gradients(loss_fn, models):
@@ -226,168 +228,238 @@ def gradients(loss_fn, models):
     return torch.cat([g.flatten() for g in grads])
 
 
-def logprobs(adapter, model, batch, args):
-    with torch.no_grad():
-        return call(adapter, "token_logprobs", copy.deepcopy(model).eval(), batch, args)
-
-
-def check_pure(report, adapter, ref, step, d, args):
-    """Everything computed from the stored tensors alone."""
-    mask, batch = d["completion_mask"].float(), whole_batch(d)
-    if args["script"] == "grpo":
-        adv, why = call(adapter, "group_advantages", batch, args)
-        expected, per_token = d.get("advantages"), adv is not None and torch.as_tensor(adv).dim() == 2
-        if per_token and expected is not None:  # one advantage per token: compared on the real tokens
-            expected = expected[:, None] * mask
-        report.add("advantages", step, adv, expected, mask if per_token else None, "advantages")
-        report.skip("returns", "GRPO has no returns")
-        loss_batch = batch
-    else:
-        out, why = call(adapter, "gae", batch, args)
-        report.add("advantages", step, out and out[0], d.get("advantages"), mask, "advantages")
-        report.add("returns", step, out and out[1], d.get("returns"), mask, "returns")
-        report.skip("returns", why)
-        loss_batch = ppo_micro_batch(d)
-        if loss_batch is None:
-            for q in ("per-token loss", "loss", "gradient"):
-                report.skip(q, "the dump has no micro_index and minibatch_index (the first micro-batch's rows)")
-            loss_batch = batch
-    report.skip("advantages", why)
-    kl_batch = batch if args["script"] == "ppo" else loss_batch
-    if args["script"] == "ppo" or args["beta"] > 0:
-        theirs, why = call(adapter, "kl", kl_batch, args)
-        report.add("kl", step, theirs, ref.kl(kl_batch, args), kl_batch["completion_mask"].float(), "kl")
-        report.skip("kl", why)
-    report.skip("kl", "no KL term (--beta 0)")
-    if "new_logp" not in loss_batch:
-        return
-    theirs, why = call(adapter, "per_token_loss", loss_batch, args)
-    report.add("per-token loss", step, theirs, d.get("per_token_loss"), loss_batch["completion_mask"].float(),
-               "per_token_loss")  # fmt: skip
-    report.skip("per-token loss", why)
-    theirs, why = call(adapter, "loss", loss_batch, args)
-    report.add("loss", step, theirs, d.get("loss"), None, "loss")
-    report.skip("loss", why)
-
-
-def check_weights(report, adapter, ref, step, d, args, models, initial):
-    """Checks on the step's weights: models = [policy] (PPO: [policy, critic]); initial = the reference."""
-    mask, batch = d["completion_mask"].float(), whole_batch(d)
-    theirs, why = logprobs(adapter, models[0], batch, args)
-    key = "new_logp" if args["script"] == "grpo" else "old_logp"  # the log-probs of these weights
-    report.add("log-probs", step, theirs, d.get(key), mask, key)
-    if theirs is not None and "ref_logp" in d and (args["script"] == "grpo" or args["kl_coef"] > 0):
-        reference, _ = logprobs(adapter, initial, batch, args)
-        report.add("log-probs", step, reference, d["ref_logp"], mask, "ref_logp")
-    report.skip("log-probs", why)
-    loss_batch = batch if args["script"] == "grpo" else ppo_micro_batch(d)
-    if getattr(adapter, "train_loss", None) is None or loss_batch is None:
-        return report.skip("gradient", "adapter has no train_loss()")
-    ours = gradients(lambda: ref.train_loss(models[0], loss_batch, args, *models[1:]), models)
-    copies = [copy.deepcopy(m) for m in models]
+def adapter_gradients(adapter, models, batch, args):
+    """The gradient of the adapter's train_loss, or None and why it was skipped."""
+    for model in models:
+        model.zero_grad(set_to_none=True)
+        model.train()
+    out, why = call(adapter, "train_loss", models[0], batch, args, *models[1:])
+    if out is None:
+        return None, why
+    if not (torch.is_tensor(out) and out.numel() == 1 and out.requires_grad):
+        what = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+        what += "" if not torch.is_tensor(out) or out.requires_grad else " without autograd (requires_grad False)"
+        raise AdapterError(f"adapter {adapter.label!r}: train_loss() returned {what}: return the scalar loss tensor "
+                           "before .item() or .detach()")  # fmt: skip
     try:
-        theirs = gradients(lambda: adapter.train_loss(copies[0], loss_batch, args, *copies[1:]), copies)
-    except NotImplementedError as e:
-        return report.skip("gradient", str(e))
-    report.add("gradient", step, theirs, ours, None, "gradient")
+        out.reshape(()).backward()
+    except Exception as e:
+        raise AdapterError(f"adapter {adapter.label!r}: train_loss()'s backward raised {type(e).__name__}: "
+                           f"{one_line(e)}") from None  # fmt: skip
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
+    return torch.cat([g.flatten() for g in grads]), None
 
 
-def replay(ref, policy, opt, d, args, iterations):
+def check_logprobs(report, adapter, ref, step, model, batch, expected, what, initial=None, args=None):
+    """The adapter's log-probs from `model` against the stored ones (and from the reference, `initial`)."""
+    mask = batch["completion_mask"]
+    with torch.no_grad():
+        theirs, why = call(adapter, "token_logprobs", copy.deepcopy(model).eval(), batch, args)
+        compare(report, "log-probs", step, adapter, "token_logprobs", theirs, expected, mask, what)
+        if theirs is not None and initial is not None and "ref_logp" in batch:
+            reference, _ = call(adapter, "token_logprobs", copy.deepcopy(initial).eval(), batch, args)
+            compare(report, "log-probs", step, adapter, "token_logprobs", reference, batch["ref_logp"], mask, "ref_logp")
+    report.skip("log-probs", why)
+    report.exercise("log-probs", "left padding (prompts of different lengths)", (batch["prompt_mask"] == 0).any())
+    report.exercise("log-probs", EARLY, (mask[:, -1] == 0).any())
+
+
+def check_gradient(report, adapter, ref, step, batch, args, models):
+    if not hasattr(adapter, "train_loss"):
+        return report.skip("gradient", "adapter has no train_loss()")
+    ours = gradients(lambda: ref.train_loss(models[0], batch, args, *models[1:]), models)
+    theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], batch, args)
+    if theirs is not None:
+        report.add("gradient", step, theirs, ours)
+        loss_conditions(report, ["gradient"], ref, batch, args)
+    report.skip("gradient", why)
+
+
+def replayed_miss(ref, model, batch, expected, args):
+    with torch.no_grad():
+        ours = ref.token_logprobs(model.eval(), batch, args)
+    return (ours - expected)[batch["completion_mask"].bool()].abs().max().item()
+
+
+def replay_grpo(ref, policy, opt, d, args, iterations):
     """`iterations` of grpo.py's optimizer steps on this step's batch, micro-batch by micro-batch."""
-    batch, N, size = whole_batch(d), len(d["completion_mask"]), args["micro_batch_size"]
+    batch, N, size = whole_batch(d, args), len(d["completion_mask"]), args["micro_batch_size"]
     policy.train()
     for _ in range(iterations):
         opt.zero_grad(set_to_none=True)
         for i in range(0, N, size):
-            micro = {k: v[i : i + size] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
-            ref.train_loss(policy, micro, args).backward()
+            ref.train_loss(policy, select_rows(batch, slice(i, i + size)), args).backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), args["max_grad_norm"])
         opt.step()
 
 
-def verify(args, steps, adapter, options, tolerances):
-    """Every check on every step the dump allows: (Report, notes)."""
-    ref = load_adapter("self")
-    initial, critic = ref.initial_models(args)
-    try:
-        if hasattr(adapter, "setup"):
-            adapter.setup(args, options, copy.deepcopy(initial))
-    except NotImplementedError as e:
-        raise VerifyError(f"adapter {adapter.label!r}: {e}") from None
-    report, notes = Report(tolerances), []
-    for step in sorted(steps):
-        check_pure(report, adapter, ref, step, steps[step], args)
-    if 1 not in steps or args.get("resume"):
-        notes.append("the dump does not start at step 1 from --model: no weight checks (they need its weights)")
-        return report, notes
-    policy = copy.deepcopy(initial)
-    if args["script"] == "ppo":
-        check_weights(report, adapter, ref, 1, steps[1], args, [policy, critic], initial)
-        if len(steps) > 1:
-            notes.append("PPO after step 1: no weight checks (the dump keeps one micro-batch's rows, not all)")
-        report.skip("update", "PPO: not compared (several epochs over random minibatches)")
-        return report, notes
-    mu, (opt, scheduler) = args["num_iterations"], ref.optimizer(policy, args)
+def replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args):
+    """One of ppo.py's optimizer steps: the minibatch's micro-batches, each model's gradient clipped apart."""
+    policy.train()
+    critic.train()
+    opt.zero_grad(set_to_none=True)
+    tokens, size = int(batch["completion_mask"][minibatch].sum()), args["micro_batch_size"]
+    for i in range(0, len(minibatch), size):
+        micro = dict(select_rows(batch, minibatch[i : i + size]), num_tokens=tokens)
+        ref.train_loss(policy, micro, args, critic).backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), args["max_grad_norm"])
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), args["max_grad_norm"])
+    opt.step()
+
+
+def check_grpo_weights(report, adapter, ref, steps, args, initial, tol, notes):
+    policy, mu = copy.deepcopy(initial), args["num_iterations"]
+    opt, scheduler = ref.optimizer(policy, args)
     for step in sorted(steps):
         d = steps[step]
         if step > 1:  # the replayed weights must give what the run stored, or the checks below mean nothing
-            if step - 1 not in steps:
+            miss = replayed_miss(ref, policy, whole_batch(d, args), d["old_logp" if mu > 1 else "new_logp"], args)
+            if step - 1 not in steps or miss > tol:
+                notes.append(f"weights replayed to step {step} miss its log-probs by {miss:.1e}: checks stop")
                 break
-            with torch.no_grad():
-                ours = ref.token_logprobs(policy.eval(), whole_batch(d), args)
-            diff = ((ours - d["old_logp" if mu > 1 else "new_logp"]) * d["completion_mask"]).abs().max().item()
-            if diff > tolerances["log-probs"][1]:
-                notes.append(f"weights replayed to step {step} miss its log-probs by {diff:.1e}: checks stop")
-                break
-        replay(ref, policy, opt, d, args, mu - 1)  # the dump holds the last iteration
-        check_weights(report, adapter, ref, step, d, args, [policy], initial)
-        if step == 1 and mu == 1 and 2 in steps and hasattr(adapter, "update"):
-            theirs = copy.deepcopy(initial)
-            adapter.update(theirs, whole_batch(d), args)
-            with torch.no_grad():
-                after = ref.token_logprobs(theirs.eval(), whole_batch(steps[2]), args)
-            report.add("update", 1, after, steps[2]["new_logp"], steps[2]["completion_mask"].float(), "update")
-        replay(ref, policy, opt, d, args, 1)
+        replay_grpo(ref, policy, opt, d, args, mu - 1)  # the dump holds the last iteration
+        batch = whole_batch(d, args)
+        check_logprobs(report, adapter, ref, step, policy, batch, d.get("new_logp"), "new_logp", initial, args)
+        check_gradient(report, adapter, ref, step, batch, args, [policy])
+        replay_grpo(ref, policy, opt, d, args, 1)
         scheduler.step()
-    has_update = hasattr(adapter, "update")
-    report.skip("update", "needs steps 1, 2 and --num-iterations 1" if has_update else "adapter has no update()")
+
+
+def check_ppo_weights(report, adapter, ref, steps, args, initial, critic, tol, notes):
+    policy, critic = copy.deepcopy(initial), copy.deepcopy(critic)
+    opt, scheduler = ref.optimizer(policy, args, critic)
+    for step in sorted(steps):
+        d, batch = steps[step], whole_batch(steps[step], args)
+        miss = replayed_miss(ref, policy, batch, d["old_logp"], args)
+        if step > 1 and (step - 1 not in steps or miss > tol):
+            notes.append(f"weights replayed to step {step} miss its old log-probs by {miss:.1e}: checks stop")
+            break
+        reference = initial if args["kl_coef"] > 0 or args["target_kl"] is not None else None
+        check_logprobs(report, adapter, ref, step, policy, batch, d["old_logp"], "old_logp", reference, args)
+        micro = ppo_micro_batch(d)
+        if "minibatches" not in d or micro is None:
+            report.skip("gradient", "the dump has no minibatches (made by an older version): nothing to replay")
+            break
+        order = d["minibatches"].view(-1, len(d["minibatch_index"]))
+        for u, minibatch in enumerate(order):
+            if u == len(order) - 1:  # the dumped micro-batch: the models have moved by u updates
+                miss = replayed_miss(ref, policy, micro, d["new_logp"], args)
+                if miss > tol:
+                    notes.append(f"the replay of step {step}'s updates misses its new log-probs by {miss:.1e}")
+                    return
+                check_logprobs(report, adapter, ref, step, policy, micro, d["new_logp"], "new_logp", None, args)
+                check_gradient(report, adapter, ref, step, micro, args, [policy, critic])
+            replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args)
+        scheduler.step()
+
+
+def check_update(report, adapter, ref, steps, args, initial):
+    """GRPO: the adapter's optimizer, its state kept, from the initial weights through the steps."""
+    if args["script"] == "ppo":
+        return report.skip("update", "PPO: its updates are replayed by this project's optimizer (gradient row)")
+    if not hasattr(adapter, "update"):
+        return report.skip("update", "adapter has no update()")
+    model, state, key = copy.deepcopy(initial), {}, "old_logp" if args["num_iterations"] > 1 else "new_logp"
+    for step in sorted(steps):
+        if step + 1 not in steps:
+            break
+        _, why = call(adapter, "update", model, whole_batch(steps[step], args), args, state)
+        if why:
+            return report.skip("update", why)
+        following = whole_batch(steps[step + 1], args)
+        with torch.no_grad():
+            after = ref.token_logprobs(copy.deepcopy(model).eval(), following, args)
+        report.add("update", step, after, following[key], following["completion_mask"], key)
+        report.exercise("update", "a step after the first (the optimizer's state carried over)", step > 1)
+    report.skip("update", "needs two consecutive steps")
+
+
+def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
+    """Every check on every step the dump allows: (Report, notes)."""
+    ref = load_adapter("self")
+    initial, critic = models or ref.initial_models(args)
+    known = call(adapter, "known_differences", args, options)[0] if hasattr(adapter, "known_differences") else {}
+    for quantity in accept:
+        if quantity not in QUANTITIES:
+            raise VerifyError(f"--accept {quantity!r}: the quantities are {', '.join(QUANTITIES)}")
+        if quantity not in known:
+            declared = ", ".join(known) or "none"
+            raise VerifyError(f"--accept {quantity}: adapter {adapter.label!r} declares no known difference for it "
+                              f"(it declares: {declared})")  # fmt: skip
+    if hasattr(adapter, "setup"):
+        _, why = call(adapter, "setup", args, options, copy.deepcopy(initial))
+        if why:
+            raise VerifyError(f"adapter {adapter.label!r}: {why}")
+    report, notes = Report(tolerances), []
+    for quantity in accept:
+        report.rows[quantity]["known"] = known[quantity]
+    for step in sorted(steps):
+        check_pure(report, adapter, ref, step, steps[step], args)
+    check_kl_coef(report, adapter, ref, steps, args)
+    if 1 not in steps or args.get("resume"):
+        notes.append("the dump does not start at step 1 from --model: no weight checks (they need its weights)")
+        return report, notes
+    if not any(hasattr(adapter, f) for f in ("token_logprobs", "train_loss", "update")):
+        for q, f in (("log-probs", "token_logprobs"), ("gradient", "train_loss"), ("update", "update")):
+            report.skip(q, f"adapter has no {f}()")
+        return report, notes
+    tol = tolerances["log-probs"][1]
+    if args["script"] == "grpo":
+        check_grpo_weights(report, adapter, ref, steps, args, initial, tol, notes)
+    else:
+        check_ppo_weights(report, adapter, ref, steps, args, initial, critic, tol, notes)
+    check_update(report, adapter, ref, steps, args, initial)
     return report, notes
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dump_dir", help="the --dump-dir of a grpo.py or ppo.py run")
-    parser.add_argument("--against", default="self", help="adapter: self, trl, verl, or the path of a .py file")
+    parser.add_argument("--against", default="self", help="adapter: self, trl, verl, openrlhf, or a .py file")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
     parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
+    parser.add_argument("--accept", action="append", default=[], metavar="QUANTITY",
+                        help="accept the adapter's declared known difference in this quantity (shown, not passed)")
     opts = parser.parse_args(argv)
     try:
-        tolerances = dict(TOLERANCES)
-        for pair in opts.tol:
-            key, _, value = pair.partition("=")
-            if key not in tolerances:
-                raise VerifyError(f"--tol {pair!r}: the quantities are {', '.join(QUANTITIES)}")
-            tolerances[key] = (tolerances[key][0], float(value))
-        args, steps = load_dump(opts.dump_dir)
+        tolerances = parse_tolerances(opts.tol)
+        args, steps, notes = load_dump(opts.dump_dir)
+        ref = load_adapter("self")
+        try:  # before the adapter is imported: what it stubs cannot break the models' loading
+            models = ref.initial_models(args)
+        except (Exception, SystemExit) as e:
+            raise VerifyError(f"the dump's model {args['model']!r} cannot be loaded ({one_line(e)}): it must be "
+                              "where the run found it") from None  # fmt: skip
         adapter = load_adapter(opts.against)
         options = parse_options(adapter, opts.set)
         torch.manual_seed(0)
-        report, notes = verify(args, steps, adapter, options, tolerances)
+        report, more = verify(args, steps, adapter, options, tolerances, models, opts.accept)
+        differences = call(adapter, "differences", args, options)[0] if hasattr(adapter, "differences") else []
     except VerifyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    steps = f"steps {min(steps)}-{max(steps)}"
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (Interrupted, KeyboardInterrupt) as e:
+        print(f"interrupted{' ' + str(e) if str(e) else ''}: no result", file=sys.stderr)
+        return 130
+    span = f"steps {min(steps)}-{max(steps)}"
     with_options = f" {options}" if options else ""
-    print(f"{args['script']}.py dump {opts.dump_dir} ({steps}) against {adapter.label}{with_options}")
+    print(f"{args['script']}.py dump {opts.dump_dir} ({span}) against {adapter.label}{with_options}")
     print(report.table())
-    for note in notes:
+    for note in notes + more:
         print(f"note: {note}")
-    differences = adapter.differences(args, options) if hasattr(adapter, "differences") else []
     failures = report.failures()
     if differences:
         print("known differences for this run:" if failures else "known differences (within tolerance here):")
         print("\n".join(f"  - {line}" for line in differences))
-    print(f"FAIL: {', '.join(failures)}" if failures else "all checks that ran passed")
+    unexercised = [q for q in QUANTITIES if report.passed(q) and report.unexercised(q)]
+    if failures:
+        print(f"FAIL: {', '.join(failures)}")
+    else:
+        print("all checks that ran passed" + (f"; never exercised by this dump: {', '.join(unexercised)} (see the "
+                                                "table)" if unexercised else ""))  # fmt: skip
     return 1 if failures else 0
 
 

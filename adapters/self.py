@@ -1,9 +1,10 @@
 """This project as a verify.py adapter: the reference every other adapter is compared with.
 
-`python verify.py DUMP --against self` recomputes a dump with the functions grpo.py and ppo.py call, so it
-must pass on any fresh dump (the self-check). verify.py also uses this file for what only this project can
-say: the initial models, the gradient of this project's loss, and the optimizer that replays GRPO's updates.
-It is also the example to copy when writing an adapter for your own code (see verify.py's docstring).
+`python verify.py DUMP --against self` recomputes a dump with the entry points grpo.py and ppo.py's training loops
+call (compute_advantages, compute_rewards, compute_loss), so it passes on any fresh dump, and a change to the
+advantage or the loss in the algorithm file flows here with no second edit. verify.py also uses this file for
+what only this project can say: the initial models, the gradient of this project's loss, and the optimizer that
+replays the updates. It is also the example to copy when writing an adapter (see verify.py's docstring).
 """
 
 import types
@@ -15,68 +16,99 @@ import grpo
 import models
 import ppo
 
+ALGORITHMS = {"grpo": grpo, "ppo": ppo}
+
+
+def _algorithm(args):
+    """The script's module and its Args as attributes (what its functions read)."""
+    return ALGORITHMS[args["script"]], types.SimpleNamespace(**args)
+
 
 def group_advantages(batch, args):
-    return grpo.group_advantages(batch["rewards"], args["group_size"], args["scale_rewards"])
+    algorithm, flags = _algorithm(args)
+    return algorithm.compute_advantages(batch, flags)
 
 
 def gae(batch, args):
-    mask = batch["completion_mask"]
-    advantages, returns = ppo.compute_gae(batch["rewards"], batch["values"], mask, args["gamma"], args["lam"])
-    return ppo.masked_whiten(advantages, mask), returns
+    algorithm, flags = _algorithm(args)
+    return algorithm.compute_advantages(batch, flags)
 
 
-def token_logprobs(model, batch, args):
+def rewards(batch, args):
+    algorithm, flags = _algorithm(args)
+    return algorithm.compute_rewards(batch, flags)[0]
+
+
+def kl_coef(batch, args):
+    """The coefficient of the next step, from this step's batch, by ppo.py's controller (the mean summed KL)."""
+    if args["target_kl"] is None:
+        return batch["kl_coef"]
+    _, kl = ppo.compute_rewards(batch, types.SimpleNamespace(**args))
+    seq_kl = kl.sum(1)
+    return ppo.adaptive_kl_coef(batch["kl_coef"].item(), seq_kl.mean().item(), args["target_kl"], len(seq_kl),
+                                args["kl_horizon"])  # fmt: skip
+
+
+def outputs(model, batch, args, critic=None):
+    """What the loss reads of the models: the policy's log-probs and entropy, the critic's values (PPO)."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     mask = batch["completion_mask"]
-    return common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"])
+    new_logp, entropy = common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"],
+                                              return_entropy=True)  # fmt: skip
+    out = dict(new_logp=new_logp, entropy=entropy)
+    if critic is not None:
+        out["new_values"] = ppo.token_values(critic, input_ids, attention_mask, mask)
+    return out
 
 
-def _loss(new_logp, batch, args, new_values=None):
-    """grpo.grpo_loss or ppo.ppo_loss, the functions the training loops call: (loss, per-token terms)."""
-    mask, flags = batch["completion_mask"], types.SimpleNamespace(**args)
-    if args["script"] == "ppo":
-        return ppo.ppo_loss(new_logp, batch["old_logp"], batch["advantages"], new_values, batch["values"],
-                            batch["returns"], mask, batch["num_tokens"], flags)  # fmt: skip
-    old_logp = batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach()  # mu = 1: ratio 1
-    ref_logp = batch["ref_logp"] if args["beta"] > 0 else None
-    return grpo.grpo_loss(new_logp, old_logp, ref_logp, batch["advantages"], mask, batch["num_seqs"],
-                          batch["num_tokens"], flags)  # fmt: skip
+def token_logprobs(model, batch, args):
+    return outputs(model, batch, args)["new_logp"]
+
+
+def _loss(batch, args):
+    """The algorithm's compute_loss on the stored outputs: (loss, per-token terms)."""
+    algorithm, flags = _algorithm(args)
+    stored = {key: batch[key] for key in ("new_logp", "new_values", "entropy") if key in batch}
+    return algorithm.compute_loss(stored, batch, flags)
 
 
 def kl(batch, args):
     if args["script"] == "ppo":
-        return ppo.kl_estimate(batch["old_logp"], batch["ref_logp"], args["kl_estimator"])
-    return _loss(batch["new_logp"], batch, args)[1]["kl_ref"]
+        return rewards_kl(batch, args)
+    return _loss(batch, args)[1]["kl_ref"]
+
+
+def rewards_kl(batch, args):
+    return ppo.compute_rewards(batch, types.SimpleNamespace(**args))[1]
 
 
 def per_token_loss(batch, args):
-    return _loss(batch["new_logp"], batch, args, batch.get("new_values"))[1]["per_token_loss"]
+    return _loss(batch, args)[1]["per_token_loss"]
 
 
 def loss(batch, args):
-    return _loss(batch["new_logp"], batch, args, batch.get("new_values"))[0]
+    return _loss(batch, args)[0]
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
-    new_values = None
-    if critic is not None:
-        new_values = ppo.token_values(
-            critic, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_mask"],
-        )  # fmt: skip
-    return _loss(new_logp, batch, args, new_values)[0]
+    algorithm, flags = _algorithm(args)
+    return algorithm.compute_loss(outputs(model, batch, args, critic), batch, flags)[0]
 
 
-def update(model, batch, args):
-    """One step of grpo.py's optimizer from fresh state: AdamW after clipping the gradient's norm."""
-    opt, _ = optimizer(model, args)
+def update(model, batch, args, state):
+    """One training step of grpo.py's optimizer on the whole batch: num_iterations AdamW steps, each after
+    clipping the gradient's norm, then the schedule's step. `state` keeps the optimizer from one call to the next."""
+    if "optimizer" not in state:
+        state["optimizer"], state["scheduler"] = optimizer(model, args)
+    opt = state["optimizer"]
     model.train()
-    train_loss(model, batch, args).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
-    opt.step()
+    for _ in range(args["num_iterations"]):
+        opt.zero_grad(set_to_none=True)
+        train_loss(model, batch, args).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
+        opt.step()
+    state["scheduler"].step()
 
 
 # What only this project can provide to verify.py.
@@ -91,9 +123,13 @@ def initial_models(args):
     return policy, ppo.load_critic(args["critic_model"] or args["model"], device)
 
 
-def optimizer(model, args):
-    """AdamW and the warmup schedule exactly as grpo.py builds them, to replay its updates."""
+def optimizer(model, args, critic=None):
+    """AdamW and the warmup schedule exactly as grpo.py (policy) or ppo.py (policy and critic) build them."""
     groups = common.adamw_param_groups(model, args["weight_decay"], args.get("decay_norms_and_biases", True))
+    if critic is not None:
+        critic_groups = common.adamw_param_groups(critic, args["weight_decay"], args["decay_norms_and_biases"])
+        groups = [dict(group, lr=args["learning_rate"]) for group in groups]
+        groups += [dict(group, lr=args["critic_learning_rate"]) for group in critic_groups]
     opt = torch.optim.AdamW(groups, lr=args["learning_rate"])
     warmup = args["warmup_steps"]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))

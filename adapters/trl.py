@@ -5,8 +5,8 @@ TRL runs its own pipeline on the dump's batch: a GRPOTrainer gets the stored com
 `_generate_and_score_completions` pads, masks, computes the reference log-probs and the group advantages,
 and its `compute_loss` gives the loss whose gradient is compared. The per-token loss and KL are TRL's own
 tensors, read as `_compute_loss` returns (TRL returns only the aggregate); the per-token loss from stored
-log-probs replaces TRL's forward by the stored ones. `update` is one step of the optimizer TRL's Trainer
-builds. Needs trl (pip install -r requirements-extra.txt). Our flags map to TRL's:
+log-probs replaces TRL's forward by the stored ones. `update` steps the optimizer TRL's Trainer builds,
+from one step to the next. Needs trl (pip install -r requirements-extra.txt). Our flags map to TRL's:
 
   --loss-agg seq-mean-token-mean / token-mean / seq-mean-token-sum-norm -> loss_type grpo / dapo / dr_grpo
   --scale-rewards, --importance-level, --beta, --clip-low/high, --num-iterations, --temperature,
@@ -186,12 +186,17 @@ def train_loss(model, batch, args, critic=None):
     return state["trainer"].compute_loss(_patched(model, args), inputs)
 
 
-def update(model, batch, args):
-    """One step of the optimizer TRL's Trainer builds (its weight-decay groups), the gradient norm clipped."""
+def update(model, batch, args, step_state):
+    """One training step with the optimizer TRL's Trainer builds (its weight-decay groups), kept in step_state
+    from one step to the next: num_iterations optimizer steps, each after clipping the gradient's norm."""
     trainer = state["trainer"]
-    trainer.model, trainer.optimizer = _patched(model, args), None
-    optimizer = trainer.create_optimizer()
+    if "optimizer" not in step_state:
+        trainer.model, trainer.optimizer = _patched(model, args), None
+        step_state["optimizer"] = trainer.create_optimizer()
+    optimizer = step_state["optimizer"]
     model.train()
-    train_loss(model, batch, args).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
-    optimizer.step()
+    for _ in range(args["num_iterations"]):
+        optimizer.zero_grad(set_to_none=True)
+        train_loss(model, batch, args).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
+        optimizer.step()
