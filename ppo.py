@@ -19,6 +19,8 @@ Where this departs from the papers:
   4. Weights stay float32 under bf16 autocast on GPU, so small learning rates are not rounded away.
   5. The default run's KL penalty is an entropy bonus towards the random tiny model's near-uniform reference,
      and its missing-EOS penalty (0.3; none in HUB_DEFAULTS) teaches it to stop: without them it stays near 0.4.
+  6. Rewards are not whitened by default (lm-human-preferences scales them to unit variance; --whiten-rewards
+     does): the critic learns returns in the task's own units, which --cliprange-value is measured in.
 """
 
 import os
@@ -91,7 +93,7 @@ class Args(bookkeeping.RunArgs):
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the per-token KL penalty (Schulman's k1, k2, k3)"""
     target_kl: Optional[float] = None
-    """when set, adapt kl_coef so the summed KL per completion tracks this value (Ziegler et al. 2019)"""
+    """when set, adapt kl_coef so each completion's summed KL (k1, whatever kl_estimator) tracks this value"""
     kl_horizon: int = 10000
     """horizon of the adaptive KL controller, in completions"""
     missing_eos_penalty: float = 0.3
@@ -102,8 +104,13 @@ class Args(bookkeeping.RunArgs):
     """lambda of GAE"""
     vf_coef: float = 0.1
     """weight of the value loss"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus in the loss (Schulman et al. 2017, eq. 9); 0: none, the entropy only logged"""
     cliprange_value: float = 0.2
     """the new value is kept within this distance of the rollout value in the clipped value loss"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards to unit variance over real tokens before GAE (TRL's whiten_rewards); the
+    critic's values and targets, and so --cliprange-value, are then in those units"""
     micro_batch_size: int = 128
     """completions per forward/backward pass; the gradient is that of the whole minibatch"""
 
@@ -112,7 +119,8 @@ class Args(bookkeeping.RunArgs):
 # learning rate); a flag given on the command line wins. Printed at start.
 HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
                     update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8)
-DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "per_token_loss")  # the first micro-batch's
+# What a dump keeps of the first micro-batch, beside the rollout.
+DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 
 
 def check_args(args):
@@ -127,7 +135,7 @@ def check_args(args):
         raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions{where}: "
                          "pick a divisor")
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
-    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "missing_eos_penalty")
+    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
     bookkeeping.check_range(args, "> 0", "cliprange_value")
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
@@ -222,8 +230,8 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=common.masked_mean):
     """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only
     (`mean`: under torchrun distributed.masked_mean, over every process's).
 
-    With shift_mean=False the mean is added back, so only the scale changes (used for rewards). Masked positions
-    come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    With shift_mean=False the mean is added back, so only the scale changes (--whiten-rewards). Masked
+    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
     """
     x_mean = mean(x, mask)
     var = mean((x - x_mean) ** 2, mask)
@@ -257,28 +265,32 @@ def clipped_value_loss(values, old_values, returns, cliprange_value):
     return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
 
 
-def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args):
-    """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9 without the entropy term), as its share of
-    its minibatch's loss:
+def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args,
+             entropy):
+    """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9), as its share of its minibatch's loss:
 
       L_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high)) + vf_coef * value_loss_t
+             - ent_coef * H_t                   H_t: the policy's entropy at token t
       loss = sum of L_t over real tokens / the minibatch's real tokens (each token of the minibatch weighs the same)
 
-    new_logp and new_values [n, T] carry the gradients; old_logp, advantages, old_values, returns [n, T] do not.
+    new_logp, new_values and entropy [n, T] carry the gradients (the entropy only when ent_coef > 0);
+    old_logp, advantages, old_values, returns [n, T] do not.
     Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
     """
     logratio = new_logp - old_logp  # [n, T]
     pg_loss = clipped_policy_loss(logratio, advantages, args.clip_low, args.clip_high)  # [n, T]
     v_loss = clipped_value_loss(new_values, old_values, returns, args.cliprange_value)  # [n, T]
-    per_token_loss = (pg_loss + args.vf_coef * v_loss) * mask  # [n, T], 0 on padding
+    per_token_loss = (pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy) * mask  # [n, T], 0 on padding
     loss = per_token_loss.sum() / max(minibatch_tokens, 1)
     terms = dict(new_logp=new_logp, new_values=new_values, old_values=old_values, advantages=advantages, mask=mask,
-                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, per_token_loss=per_token_loss, loss=loss)
+                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, entropy=entropy,
+                 per_token_loss=per_token_loss, loss=loss)
     return loss, {key: value.detach() for key, value in terms.items()}
 
 
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
     """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
+    `kl`: the mean over completions of the summed k1, unbiased whatever the penalty's --kl-estimator.
 
       error = clip(kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + error * n_completions / horizon)
     """
@@ -368,6 +380,8 @@ def main(args, flags_given=()):
             penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), b_mask)  # [N, T]
             kl = kl_estimate(b_old_logp, b_ref_logp, args.kl_estimator) * b_mask  # [N, T]
             b_rewards = -kl_coef * kl + (b_scores - penalty)  # [N, T]
+            if args.whiten_rewards:  # scale only, the mean is kept (departure 6)
+                b_rewards = masked_whiten(b_rewards, b_mask, shift_mean=False, mean=dist.masked_mean)
             # ALGO LOGIC: advantages from GAE over the critic's values, per token, whitened over real tokens.
             b_advantages, b_returns = compute_gae(b_rewards, b_values, b_mask, args.gamma, args.lam)
             b_advantages = masked_whiten(b_advantages, b_mask, mean=dist.masked_mean)  # over every process's tokens
@@ -394,13 +408,14 @@ def main(args, flags_given=()):
                         with common.autocast(device, dtype):
                             new_logp, entropy = common.token_logprobs(
                                 policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
-                                return_entropy=True,
-                            )  # [n, T]
+                                return_entropy=True, entropy_grad=args.ent_coef > 0,
+                            )  # [n, T]; the entropy a constant (for the logs) unless it is in the loss
                             new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
                         loss, terms = ppo_loss(new_logp, b_old_logp[micro], b_advantages[micro], new_values,
-                                               b_values[micro], b_returns[micro], b_mask[micro], mb_tokens, args)
+                                               b_values[micro], b_returns[micro], b_mask[micro], mb_tokens, args,
+                                               entropy)
                         loss.backward()
-                        updates[-1].append(dict(terms, entropy=entropy, micro_index=micro, minibatch_index=mb_inds))
+                        updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                     dump = dumps.batch_dump(rollout, updates[0][:1], DUMPED)  # the first micro-batch's
@@ -410,7 +425,8 @@ def main(args, flags_given=()):
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        scores, seq_rewards, seq_kl, lengths = dist.gather(scores, b_rewards.sum(1), kl.sum(1), b_mask.sum(1).float())
+        seq_kl = (kl_estimate(b_old_logp, b_ref_logp, "k1") * b_mask).sum(1)  # the controller's: k1, unbiased
+        scores, seq_rewards, seq_kl, lengths = dist.gather(scores, b_rewards.sum(1), seq_kl, b_mask.sum(1).float())
         score_mean = scores.mean().item()
         history["score"].append(score_mean)
         history["length"].append(lengths.mean().item())

@@ -213,8 +213,8 @@ def ppo_micro_batch(d):
         return None
     batch = {k: v[idx] for k, v in d.items() if v.dim() > 0 and len(v) == len(d["completion_mask"])}
     minibatch = d["minibatch_index"]
-    return dict(batch, new_logp=d["new_logp"], new_values=d["new_values"], kl_coef=d["kl_coef"],
-                num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
+    return dict(batch, new_logp=d["new_logp"], new_values=d["new_values"], entropy=d.get("entropy"),
+                kl_coef=d["kl_coef"], num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
 
 
 def gradients(loss_fn, models):

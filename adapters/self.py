@@ -26,19 +26,25 @@ def gae(batch, args):
     return ppo.masked_whiten(advantages, mask), returns
 
 
-def token_logprobs(model, batch, args):
+def token_logprobs(model, batch, args, return_entropy=False):
+    """The log-probs (and, with return_entropy, the entropy with its gradient, as ppo.py's loss sees it)."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     mask = batch["completion_mask"]
-    return common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"])
+    return common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"],
+                                 return_entropy=return_entropy, entropy_grad=return_entropy)  # fmt: skip
 
 
-def _loss(new_logp, batch, args, new_values=None):
-    """grpo.grpo_loss or ppo.ppo_loss, the functions the training loops call: (loss, per-token terms)."""
+def _loss(new_logp, batch, args, new_values=None, entropy=None):
+    """grpo.grpo_loss or ppo.ppo_loss, the functions the training loops call: (loss, per-token terms). PPO's
+    entropy is the dumped one unless given (a dump older than the entropy bonus: none, and no ent_coef)."""
     mask, flags = batch["completion_mask"], types.SimpleNamespace(**args)
     if args["script"] == "ppo":
+        flags.ent_coef = args.get("ent_coef", 0.0)
+        if entropy is None:
+            entropy = batch["entropy"] if batch.get("entropy") is not None else torch.zeros_like(new_logp)
         return ppo.ppo_loss(new_logp, batch["old_logp"], batch["advantages"], new_values, batch["values"],
-                            batch["returns"], mask, batch["num_tokens"], flags)  # fmt: skip
+                            batch["returns"], mask, batch["num_tokens"], flags, entropy)  # fmt: skip
     old_logp = batch["old_logp"] if args["num_iterations"] > 1 else new_logp.detach()  # mu = 1: ratio 1
     ref_logp = batch["ref_logp"] if args["beta"] > 0 else None
     return grpo.grpo_loss(new_logp, old_logp, ref_logp, batch["advantages"], mask, batch["num_seqs"],
@@ -60,14 +66,14 @@ def loss(batch, args):
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
+    new_logp, entropy = token_logprobs(model, batch, args, return_entropy=True)
     new_values = None
     if critic is not None:
         new_values = ppo.token_values(
             critic, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
             torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_mask"],
         )  # fmt: skip
-    return _loss(new_logp, batch, args, new_values)[0]
+    return _loss(new_logp, batch, args, new_values, entropy)[0]
 
 
 def update(model, batch, args):

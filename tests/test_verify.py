@@ -60,6 +60,13 @@ def test_self_check_passes(dumps, capsys, script):
         assert "| log-probs | 1,2 |" in out and "| gradient | 1,2 |" in out
 
 
+def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
+    """The per-token loss of a dump made with --ent-coef includes -ent_coef * the dumped entropy."""
+    ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, ent_coef=0.5,
+                      output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump")))  # fmt: skip
+    code, out, _ = run(capsys, tmp_path / "dump", "--against", "self")
+    assert code == 0 and rows(out)["per-token loss"] == "pass" and rows(out)["gradient"] == "pass", out
+
 def test_a_wrong_implementation_fails(dumps, capsys, tmp_path):
     """Population std instead of torch's unbiased one, and a loss 0.1% too large: each named in its row."""
     adapter = write_adapter(tmp_path, """
