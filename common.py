@@ -218,21 +218,23 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _logprobs_and_entropy(logits, labels, temperature):
+def _logprobs_and_entropy(logits, labels, temperature, entropy_grad):
     logits = logits.float() / temperature  # float32 for this chunk only
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels[..., None]).squeeze(-1) - logz
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # H = logZ - sum_v p_v z_v
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
     return logp, entropy
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_tokens=1024, return_entropy=False):
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_tokens=1024,
+                   return_entropy=False, entropy_grad=False):
     """Per-token log-probs of the completion tokens under `model`, sampled at `temperature`.
 
     input_ids, attention_mask: [B, P + T], prompt (left-padded) then completion.
     completion_mask: [B, T], 1 on real completion tokens. Returns logp [B, T] (0 where masked),
-    and the per-token entropy of the same distribution when return_entropy.
+    and the per-token entropy of the same distribution when return_entropy: a constant for the logs, or with
+    entropy_grad a tensor with its gradient (for an entropy bonus in the loss).
 
     log p(y_t) = z_t[y_t] / temp - logsumexp(z_t / temp), with z the logits of the model's own forward,
     so whatever its *ForCausalLM applies after the head (Gemma 2's softcap, Granite's and Cohere's logit
@@ -240,7 +242,7 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     the sampling temperature, or the ratio would compare a different distribution. Only the completion's
     logits are computed (logits_to_keep), in the forward's precision; the float32 softmax runs on
     `chunk_tokens` positions at a time and is recomputed in the backward pass, so no float32
-    [B, T, vocab] tensor exists, not even for autograd.
+    [B, T, vocab] tensor exists, not even for autograd (the entropy's included).
     """
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
@@ -250,10 +252,11 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     rows = max(1, chunk_tokens // max(T, 1))
     logps, entropies = [], []
     for chunk, chunk_labels in zip(logits.split(rows), labels.split(rows)):
+        args = (chunk, chunk_labels, temperature, entropy_grad)
         if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_logprobs_and_entropy, chunk, chunk_labels, temperature, use_reentrant=False)
+            logp, entropy = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:
-            logp, entropy = _logprobs_and_entropy(chunk, chunk_labels, temperature)
+            logp, entropy = _logprobs_and_entropy(*args)
         logps.append(logp)
         entropies.append(entropy)
     mask = completion_mask.to(torch.float32)

@@ -94,7 +94,8 @@ class Args(bookkeeping.RunArgs):
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses become one number: GRPO paper, DAPO, or Dr. GRPO"""
     bias_corrected_kl: bool = True
-    """weight the k3 term by the importance ratio (TRL's default, DeepSeek-V3.2): same value, its gradient gains kl * grad log p"""
+    """weight the k3 term by the importance ratio (TRL's default, DeepSeek-V3.2): same value, its gradient gains
+    kl * grad log p; an unbiased KL gradient under --importance-level token only (sequence: one ratio on all)"""
     importance_level: Literal["token", "sequence"] = "token"
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
     micro_batch_size: int = 128
@@ -188,7 +189,8 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
       ratio_t = exp(logp_t - old_logp_t)              GSPO: exp(mean_t (logp_t - old_logp_t)) on every token
       L_t     = max(-A ratio_t, -A clip(ratio_t, 1 - clip_low, 1 + clip_high)) + beta * k3_t
       k3_t    = ref_t / p_t - 1 - log(ref_t / p_t)    Schulman's k3 of KL(policy || ref); times ratio_t with
-                                                      --bias-corrected-kl
+                                                      --bias-corrected-kl (an unbiased KL gradient only with
+                                                      the token's own ratio, not GSPO's sequence one)
       loss    = aggregate_loss(L) with the batch's total_seqs sequences and total_tokens real tokens
 
     new_logp [n, T] carries the gradient; old_logp and ref_logp [n, T] (None when beta = 0) and advantages [n]
@@ -204,7 +206,9 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
         # The KL to the reference enters the loss (not the reward), by the k3 estimator.
         log_r = ref_logp - new_logp
         kl_ref = torch.exp(log_r) - 1 - log_r  # [n, T]
-        if args.bias_corrected_kl:  # k3 * ratio: an unbiased KL gradient under samples of the old policy
+        # k3 * ratio: an unbiased KL gradient under samples of the old policy, with each token's own ratio;
+        # GSPO's sequence ratio on every token is not (TRL says the same of importance_sampling_level).
+        if args.bias_corrected_kl:
             kl_ref = kl_ref * torch.exp(logratio)
         per_token_loss = pg_loss + args.beta * kl_ref
     loss = aggregate_loss(per_token_loss, mask, args.loss_agg, total_seqs, total_tokens, args.max_new_tokens)

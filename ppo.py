@@ -19,6 +19,8 @@ Where this departs from the papers:
   4. Weights stay float32 under bf16 autocast on GPU, so small learning rates are not rounded away.
   5. The default run's KL penalty is an entropy bonus towards the random tiny model's near-uniform reference,
      and its missing-EOS penalty (0.3; none in HUB_DEFAULTS) teaches it to stop: without them it stays near 0.4.
+  6. Rewards are not whitened by default (lm-human-preferences scales them to unit variance; --whiten-rewards
+     does): the critic learns returns in the task's own units, which --cliprange-value is measured in.
 """
 
 import os
@@ -91,7 +93,7 @@ class Args(bookkeeping.RunArgs):
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """estimator of the per-token KL penalty (Schulman's k1, k2, k3)"""
     target_kl: Optional[float] = None
-    """when set, adapt kl_coef so the summed KL per completion tracks this value (Ziegler et al. 2019)"""
+    """when set, adapt kl_coef so each completion's summed KL (k1, whatever kl_estimator) tracks this value"""
     kl_horizon: int = 10000
     """horizon of the adaptive KL controller, in completions"""
     missing_eos_penalty: float = 0.3
@@ -104,8 +106,13 @@ class Args(bookkeeping.RunArgs):
     """added to the advantages' variance when whitening them: a peer's value makes a dump it matches exactly"""
     vf_coef: float = 0.1
     """weight of the value loss"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus in the loss (Schulman et al. 2017, eq. 9); 0: none, the entropy only logged"""
     cliprange_value: float = 0.2
     """the new value is kept within this distance of the rollout value in the clipped value loss"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards to unit variance over real tokens before GAE (TRL's whiten_rewards); the
+    critic's values and targets, and so --cliprange-value, are then in those units"""
     micro_batch_size: int = 128
     """completions per forward/backward pass; the gradient is that of the whole minibatch"""
 
@@ -129,7 +136,7 @@ def check_args(args):
         raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions{where}: "
                          "pick a divisor")
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
-    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "missing_eos_penalty")
+    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
     bookkeeping.check_range(args, "> 0", "cliprange_value")
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
@@ -224,8 +231,8 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=common.masked_mean):
     """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only
     (`mean`: under torchrun distributed.masked_mean, over every process's).
 
-    With shift_mean=False the mean is added back, so only the scale changes (used for rewards). Masked positions
-    come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    With shift_mean=False the mean is added back, so only the scale changes (--whiten-rewards). Masked
+    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
     """
     x_mean = mean(x, mask)
     var = mean((x - x_mean) ** 2, mask)
@@ -259,34 +266,49 @@ def clipped_value_loss(values, old_values, returns, cliprange_value):
     return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
 
 
-def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args):
-    """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9 without the entropy term), as its share of
-    its minibatch's loss:
+def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args,
+             entropy):
+    """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9), as its share of its minibatch's loss:
 
       L_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high)) + vf_coef * value_loss_t
+             - ent_coef * H_t                   H_t: the policy's entropy at token t
       loss = sum of L_t over real tokens / the minibatch's real tokens (each token of the minibatch weighs the same)
 
-    new_logp and new_values [n, T] carry the gradients; old_logp, advantages, old_values, returns [n, T] do not.
+    new_logp, new_values and entropy [n, T] carry the gradients (the entropy only when ent_coef > 0);
+    old_logp, advantages, old_values, returns [n, T] do not.
     Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
     """
     logratio = new_logp - old_logp  # [n, T]
     pg_loss = clipped_policy_loss(logratio, advantages, args.clip_low, args.clip_high)  # [n, T]
     v_loss = clipped_value_loss(new_values, old_values, returns, args.cliprange_value)  # [n, T]
-    per_token_loss = (pg_loss + args.vf_coef * v_loss) * mask  # [n, T], 0 on padding
+    per_token_loss = (pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy) * mask  # [n, T], 0 on padding
     loss = per_token_loss.sum() / max(minibatch_tokens, 1)
     terms = dict(new_logp=new_logp, new_values=new_values, old_values=old_values, advantages=advantages, mask=mask,
-                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, per_token_loss=per_token_loss, loss=loss)
+                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, entropy=entropy,
+                 per_token_loss=per_token_loss, loss=loss)
     return loss, {key: value.detach() for key, value in terms.items()}
 
 
-def compute_rewards(batch, args):
+def compute_rewards(batch, args, mean=common.masked_mean):
     """The per-token reward [N, T] and the KL it penalises [N, T], from a batch of the dump's names (token_scores: the
     task's reward on the tokens that earned it). The entry point the loop and verify.py's self-check call."""
     mask = batch["completion_mask"]
     has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)  # [N]
     penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
-    return -batch["kl_coef"] * kl + (batch["token_scores"] - penalty), kl
+    rewards = -batch["kl_coef"] * kl + (batch["token_scores"] - penalty)
+    if args.whiten_rewards:  # scale only, the mean is kept (departure 6)
+        rewards = masked_whiten(rewards, mask, shift_mean=False, mean=mean)
+    return rewards, kl
+
+
+def next_kl_coef(batch, args, gather=lambda x: x):
+    """The KL coefficient of the next step: with --target-kl, adaptive_kl_coef fed the mean summed k1 KL of this
+    step's completions (`gather`: under torchrun, every process's), whatever the penalty's --kl-estimator."""
+    if args.target_kl is None:
+        return float(batch["kl_coef"])
+    seq_kl = gather((kl_estimate(batch["old_logp"], batch["ref_logp"], "k1") * batch["completion_mask"]).sum(1))
+    return adaptive_kl_coef(float(batch["kl_coef"]), seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
 
 
 def compute_advantages(batch, args, mean=common.masked_mean):
@@ -298,14 +320,17 @@ def compute_advantages(batch, args, mean=common.masked_mean):
 
 
 def compute_loss(outputs, batch, args):
-    """ppo_loss from the models' outputs (new_logp, new_values) on a micro-batch of the dump's names (num_tokens:
-    its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term goes here."""
+    """ppo_loss from the models' outputs (new_logp, new_values, entropy) on a micro-batch of the dump's names
+    (num_tokens: its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term
+    goes here."""
     return ppo_loss(outputs["new_logp"], batch["old_logp"], batch["advantages"], outputs["new_values"],
-                    batch["values"], batch["returns"], batch["completion_mask"], batch["num_tokens"], args)
+                    batch["values"], batch["returns"], batch["completion_mask"], batch["num_tokens"], args,
+                    outputs["entropy"])  # fmt: skip
 
 
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
     """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
+    `kl`: the mean over completions of the summed k1, unbiased whatever the penalty's --kl-estimator.
 
       error = clip(kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + error * n_completions / horizon)
     """
@@ -394,7 +419,7 @@ def main(args, flags_given=()):
                            eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
-            b_rewards, kl = compute_rewards(rollout, args)  # [N, T] each
+            b_rewards, kl = compute_rewards(rollout, args, mean=dist.masked_mean)  # [N, T] each
             b_advantages, b_returns = compute_advantages(dict(rollout, rewards=b_rewards), args, mean=dist.masked_mean)
             rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
@@ -416,13 +441,14 @@ def main(args, flags_given=()):
                         with common.autocast(device, dtype):
                             new_logp, entropy = common.token_logprobs(
                                 policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
-                                return_entropy=True,
-                            )  # [n, T]
+                                return_entropy=True, entropy_grad=args.ent_coef > 0,
+                            )  # [n, T]; the entropy a constant (for the logs) unless it is in the loss
                             new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
                         micro_batch = {k: rollout[k][micro] for k in ("old_logp", "advantages", "values", "returns", "completion_mask")}
-                        loss, terms = compute_loss(dict(new_logp=new_logp, new_values=new_values), dict(micro_batch, num_tokens=mb_tokens), args)
+                        outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
+                        loss, terms = compute_loss(outputs, dict(micro_batch, num_tokens=mb_tokens), args)
                         loss.backward()
-                        updates[-1].append(dict(terms, entropy=entropy, micro_index=micro, minibatch_index=mb_inds))
+                        updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                     # Dumped: the last update's first micro-batch (the models have moved), every minibatch's rows in order.
@@ -433,7 +459,7 @@ def main(args, flags_given=()):
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        scores, seq_rewards, seq_kl, lengths = dist.gather(scores, b_rewards.sum(1), kl.sum(1), b_mask.sum(1).float())
+        scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
         score_mean = scores.mean().item()
         history["score"].append(score_mean)
         history["length"].append(lengths.mean().item())
@@ -460,8 +486,7 @@ def main(args, flags_given=()):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
             for key, value in metrics.items():
                 writer.add_scalar(key, value, step)
-        if args.target_kl is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
+        kl_coef = next_kl_coef(rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)

@@ -1,6 +1,6 @@
 """The built-in reward functions: reward(prompt, completion, answer) -> float in [0, 1] (copy_dense_reward:
-a dense reward, spans that sum to one), each a small pure function with its rule in its docstring. tasks.py
-pairs each with its prompts.
+a dense reward, spans that sum to the outcome), each a small pure function with its rule in its docstring.
+tasks.py pairs each with its prompts.
 
 Model text is only ever parsed, never executed: numbers by a regular expression, countdown equations by `ast`.
 """
@@ -24,13 +24,22 @@ def copy_reward(prompt, completion, answer):
 
 
 def copy_dense_reward(prompt, completion, answer):
-    """copy_reward credited where it is earned: each character in the right place is worth
-    1 / max(len(answer), len(completion)), on the token that writes it, as a (start, end, value) span.
+    """copy_reward credited causally: the character at i earns R(completion[:i+1]) - R(completion[:i]), R being
+    copy_reward, on the token that writes it, as an (i, i + 1, value) span (potential-based shaping, Ng et al.
+    1999: what each token changed, never revised by a later one).
 
-    The values sum to copy_reward, so PPO can be given the same total per character or at the end.
+    Within the answer's length a right character earns 1 / len(answer) and a wrong one nothing; past it, each
+    character lowers the share of the right ones before it, and pays that on its own token (negative). The
+    values sum to copy_reward, so PPO can be given the same total per character or at the end.
     """
-    n = max(len(answer), len(completion))
-    return [(i, i + 1, 1 / n) for i, (a, c) in enumerate(zip(answer, completion)) if a == c]
+    spans, hits, before = [], 0, 0.0
+    for i, c in enumerate(completion):
+        hits += i < len(answer) and c == answer[i]
+        now = hits / max(len(answer), i + 1)
+        if now != before:
+            spans.append((i, i + 1, now - before))
+        before = now
+    return spans
 
 
 def arithmetic_reward(prompt, completion, answer):

@@ -40,13 +40,9 @@ def rewards(batch, args):
 
 
 def kl_coef(batch, args):
-    """The coefficient of the next step, from this step's batch, by ppo.py's controller (the mean summed KL)."""
-    if args["target_kl"] is None:
-        return batch["kl_coef"]
-    _, kl = ppo.compute_rewards(batch, types.SimpleNamespace(**args))
-    seq_kl = kl.sum(1)
-    return ppo.adaptive_kl_coef(batch["kl_coef"].item(), seq_kl.mean().item(), args["target_kl"], len(seq_kl),
-                                args["kl_horizon"])  # fmt: skip
+    """The coefficient of the next step, from this step's batch, by ppo.py's controller."""
+    algorithm, flags = _algorithm(args)
+    return torch.tensor(algorithm.next_kl_coef(batch, flags))
 
 
 def outputs(model, batch, args, critic=None):
@@ -55,7 +51,7 @@ def outputs(model, batch, args, critic=None):
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     mask = batch["completion_mask"]
     new_logp, entropy = common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"],
-                                              return_entropy=True)  # fmt: skip
+                                              return_entropy=True, entropy_grad=True)  # fmt: skip
     out = dict(new_logp=new_logp, entropy=entropy)
     if critic is not None:
         out["new_values"] = ppo.token_values(critic, input_ids, attention_mask, mask)

@@ -96,14 +96,20 @@ def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes
     assert seen["tokens"] == ["a", "", "é", "1", ""]  # the text each token writes: nothing for é's first byte, EOS
 
 
-def test_copy_dense_reward_sums_to_copy_reward():
+def test_copy_dense_reward_is_the_increase_of_copy_reward_on_each_prefix():
+    """r_i = R(c[:i+1]) - R(c[:i]): it sums to copy_reward, and a later character never changes an earlier value."""
     rng = random.Random(0)
     for _ in range(500):
         answer = "".join(rng.choices("0123", k=rng.randint(1, 6)))
         completion = "".join(rng.choices("0123", k=rng.randint(0, 8)))
-        spans = copy_dense_reward("", completion, answer)
-        assert math.isclose(sum(v for _, _, v in spans), copy_reward("", completion, answer), abs_tol=1e-12)
-        assert all(completion[s:e] == answer[s:e] for s, e, _ in spans)  # credit only where the character is right
+        values = dict((s, v) for s, _, v in copy_dense_reward("", completion, answer))
+        assert math.isclose(sum(values.values()), copy_reward("", completion, answer), abs_tol=1e-12)
+        for i in range(len(completion)):
+            increase = copy_reward("", completion[: i + 1], answer) - copy_reward("", completion[:i], answer)
+            assert math.isclose(values.get(i, 0.0), increase, abs_tol=1e-12)
+            assert (values.get(i, 0) > 0) == (i < len(answer) and completion[i] == answer[i])  # paid where right
+    # A character past the answer is paid, negative, on its own token; what came before it keeps its value.
+    assert copy_dense_reward("", "12345", "1234") == [*copy_dense_reward("", "1234", "1234"), (4, 5, pytest.approx(-0.2))]
 
 
 def test_copy_task_forms():
@@ -113,7 +119,7 @@ def test_copy_task_forms():
     assert all(len(ex["answer"]) == 8 and ex["prompt"] == ex["answer"] + "=" for ex in task.train[:50])
     assert load_task("copy:8").reward_fn is copy_reward and load_task("copy:8").train == task.train
     for bad in ("copy:0", "copy:x", "copy:8:sparse"):
-        with pytest.raises(UsageError, match="write copy:DIGITS or copy:DIGITS:dense"):
+        with pytest.raises(UsageError, match="write copy:DIGITS, copy:LOW-HIGH or either with :dense"):
             load_task(bad)
 
 

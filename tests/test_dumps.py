@@ -117,7 +117,27 @@ PPO_VARIANTS = {
     "no-reference": dict(kl_coef=0.0, missing_eos_penalty=0.0),
     "kl-micro": dict(kl_coef=0.1, kl_estimator="k3", target_kl=0.05, missing_eos_penalty=0.5, micro_batch_size=2,
                      gamma=0.9, lam=0.8, vf_coef=0.5, cliprange_value=0.1, clip_high=0.28),
+    "whiten-rewards-entropy": dict(whiten_rewards=True, ent_coef=0.05, micro_batch_size=4),
 }  # fmt: skip
+
+
+def whiten_scale_only(x, mask):
+    """lm-human-preferences' whiten(x, shift_mean=False) over the real tokens: (x - mean) / std + mean."""
+    real = x[mask.bool()]
+    mean, var = real.mean(), real.var(unbiased=False)
+    return torch.where(mask.bool(), (x - mean) / torch.sqrt(var + 1e-8) + mean, torch.zeros_like(x))
+
+
+def entropy_of(model_path, d, temperature, rows):
+    """The policy's entropy at each completion token, by a full softmax: -sum_v p_v log p_v."""
+    model = models.load_causal_lm(model_path, torch.device("cpu"))
+    input_ids, attention_mask = full_ids(d)
+    T = d["completion_mask"].shape[1]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows]).logits
+    logp = torch.log_softmax(logits[:, -T - 1 : -1].float() / temperature, -1)
+    return -(logp.exp() * logp).sum(-1) * d["completion_mask"][rows]
 
 
 def check_ppo_dump(meta, d, eos_ids):
@@ -130,6 +150,8 @@ def check_ppo_dump(meta, d, eos_ids):
     penalised = d["scores"] - a["missing_eos_penalty"] * (~has_eos).float()
     kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], a["kl_estimator"]) * mask
     rewards = -d["kl_coef"] * kl + common.score_at_last_token(penalised, mask)
+    if a.get("whiten_rewards"):
+        rewards = whiten_scale_only(rewards, mask)
     close(d["rewards"], rewards)
     advantages, returns = ppo.compute_gae(rewards, d["values"], mask, a["gamma"], a["lam"])
     close(d["returns"], returns)
@@ -142,7 +164,7 @@ def check_ppo_dump(meta, d, eos_ids):
     mb_mask = mask[idx]
     pg_loss = ppo.clipped_policy_loss(d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"])
     v_loss = ppo.clipped_value_loss(d["new_values"], d["values"][idx], returns[idx], a["cliprange_value"])
-    per_token_loss = pg_loss + a["vf_coef"] * v_loss
+    per_token_loss = pg_loss + a["vf_coef"] * v_loss - a.get("ent_coef", 0.0) * d["entropy"]
     close(d["per_token_loss"], per_token_loss * mb_mask)
     loss = grpo.aggregate_loss(
         per_token_loss, mb_mask, "token-mean", len(minibatch), int(mask[minibatch].sum()), a["max_new_tokens"]
@@ -174,6 +196,7 @@ def test_ppo_dump_recomputes(variant, tmp_path):
     meta, d = read_dump(dump_dir, 1)
     temperature = meta["args"]["temperature"]
     close(d["old_logp"], logprobs_of(models.TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
+    close(d["entropy"], entropy_of(models.TINY_MODEL, d, temperature, d["micro_index"]))  # before any update
 
     meta, d = read_dump(dump_dir, 2)
     close(d["old_logp"], logprobs_of(os.path.join(checkpoint, "policy"), d, temperature))

@@ -108,6 +108,25 @@ def test_small_chunks_give_the_same_values_and_gradients(small_model):
 
 
 
+def test_entropy_gradient_matches_full_softmax(small_model):
+    """With entropy_grad the entropy carries the gradient of the full-softmax entropy, chunked or not; without
+    it the entropy is a constant (a loss `- c * entropy` would change the printed loss and not the gradient)."""
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(2))
+    params = list(small_model.parameters())
+    plain_entropy = plain_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)[1]
+    expected = torch.autograd.grad((plain_entropy * weights).sum(), params)
+    assert max(g.abs().max().item() for g in expected) > 1e-3  # an entropy that the weights move
+    for chunk_tokens in (1, 4, 1024):
+        _, entropy = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7,
+                                           chunk_tokens, return_entropy=True, entropy_grad=True)
+        for g, eg in zip(torch.autograd.grad((entropy * weights).sum(), params), expected):
+            assert_grad_close(g, eg)
+    _, constant = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7,
+                                        return_entropy=True)
+    assert not constant.requires_grad
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_token_logprobs_with_final_logit_softcapping(temperature):
     from transformers import Gemma2Config, Gemma2ForCausalLM

@@ -1,7 +1,10 @@
 """ppo.py's formulas against hand-worked values and separately written loops."""
 
+import types
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import common
 import models
@@ -188,3 +191,52 @@ def test_ppo_end_to_end_score_rises(tmp_path):
     scores = ppo.main(ppo.Args(seed=1, num_steps=150, output_dir=str(tmp_path), sample_every=0))
     first, last = sum(scores[:15]) / 15, sum(scores[-15:]) / 15
     assert last > first + 0.2, (first, last)
+
+
+def test_the_kl_controller_is_fed_the_summed_k1_whatever_the_estimator(tmp_path):
+    """With --kl-estimator k2 the penalty uses k2, but --target-kl names the KL itself: the controller gets k1's sum.
+
+    Step 2's batch does not depend on the target (step 1's KL is 0, so its update is the same), so a first run
+    finds the sums of k1 and k2 at step 2 and the second sets the target between them: the two would move the
+    coefficient in opposite directions."""
+
+    def run(target_kl, num_steps, name):
+        ppo.main(ppo.Args(num_steps=num_steps, prompts_per_step=16, kl_coef=0.1, kl_estimator="k2", target_kl=target_kl,
+                          kl_horizon=16, learning_rate=1e-2, sample_every=0, output_dir=str(tmp_path / name / "r"),
+                          dump_dir=str(tmp_path / name / "dump")))  # fmt: skip
+        return [load_file(tmp_path / name / "dump" / f"step{k:06d}.safetensors") for k in range(1, num_steps + 1)]
+
+    step2 = run(1.0, 2, "probe")[1]
+    log_r = (step2["ref_logp"] - step2["old_logp"]) * step2["completion_mask"]
+    k1, k2 = (-log_r).sum(1).mean().item(), (0.5 * log_r**2).sum(1).mean().item()
+    target = (k1 + k2) / 2
+    assert abs(k1 - k2) > 0.05 * target, (k1, k2)  # far enough apart for the clip at +-0.2 not to hide it
+    _, again, step3 = run(target, 3, "run")
+    assert torch.equal(again["old_logp"], step2["old_logp"])
+    expected = ppo.adaptive_kl_coef(step2["kl_coef"].item(), k1, target, 16, 16)
+    assert step3["kl_coef"].item() == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(ppo.adaptive_kl_coef(step2["kl_coef"].item(), k2, target, 16, 16), rel=1e-3)
+
+
+def test_the_entropy_bonus_is_in_the_loss_and_its_gradient():
+    """loss_t gains -ent_coef * H_t on real tokens, so d loss / d H_t = -ent_coef / the minibatch's real tokens."""
+    g = torch.Generator().manual_seed(0)
+    n, T = 3, 4
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
+    new_logp, entropy = torch.randn(n, T, generator=g).requires_grad_(), torch.rand(n, T, generator=g).requires_grad_()
+    rest = [torch.randn(n, T, generator=g) for _ in range(5)]  # old_logp, advantages, new_values, old_values, returns
+    args = types.SimpleNamespace(clip_low=0.2, clip_high=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.0)
+    loss0, terms0 = ppo.ppo_loss(new_logp, rest[0], rest[1], rest[2], rest[3], rest[4], mask, 10, args, entropy)
+    args.ent_coef = 0.3
+    loss, terms = ppo.ppo_loss(new_logp, rest[0], rest[1], rest[2], rest[3], rest[4], mask, 10, args, entropy)
+    torch.testing.assert_close(terms["per_token_loss"], terms0["per_token_loss"] - 0.3 * entropy.detach() * mask)
+    (grad,) = torch.autograd.grad(loss, entropy)
+    torch.testing.assert_close(grad, -0.3 / 10 * mask)
+
+
+@pytest.mark.parametrize("ent_coef", [0.0, 0.1])
+def test_the_loop_gives_the_loss_a_differentiable_entropy_only_when_it_is_used(tmp_path, monkeypatch, ent_coef):
+    seen, ppo_loss = [], ppo.ppo_loss
+    monkeypatch.setattr(ppo, "ppo_loss", lambda *a: seen.append(a[-1].requires_grad) or ppo_loss(*a))
+    ppo.main(ppo.Args(num_steps=1, prompts_per_step=8, ent_coef=ent_coef, sample_every=0, output_dir=str(tmp_path)))
+    assert seen and set(seen) == {ent_coef > 0}

@@ -367,3 +367,11 @@ def test_openrlhf(dumps, tmp_path, script):
         code, out = run_peer(aligned, "openrlhf", env)
     assert code == 0, out
     assert all(r.startswith(("pass", "skip")) for r in rows(out).values()), out
+
+
+def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
+    """The per-token loss of a dump made with --ent-coef includes -ent_coef * the dumped entropy."""
+    ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, ent_coef=0.5,
+                      output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump")))  # fmt: skip
+    code, out, _ = run(capsys, tmp_path / "dump", "--against", "self")
+    assert code == 0 and rows(out)["per-token loss"] == "pass" and rows(out)["gradient"] == "pass", out
