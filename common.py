@@ -110,6 +110,29 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
 
 
+def concat_batches(a, b):
+    """Two rollout batches as one, rows of `a` then `b`: prompts stay left-padded and completions right-padded
+    to the wider of the two (pad id 0, mask 0: every pad position is masked out). Lists are joined, [N] tensors
+    concatenated."""
+    joined = {}
+    for key, x in a.items():
+        y = b[key]
+        if not torch.is_tensor(x):
+            joined[key] = x + y
+            continue
+        if x.dim() == 2:  # [N, width]: pad the narrower one, on the left for prompts
+            width, left = max(x.shape[1], y.shape[1]), key.startswith("prompt")
+            pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))  # noqa: E731
+            x, y = pad(x), pad(y)
+        joined[key] = torch.cat([x, y])
+    return joined
+
+
+def select_rows(batch, rows):
+    """The rows `rows` (a [n] index tensor) of every list and tensor of a rollout batch."""
+    return {key: x[rows] if torch.is_tensor(x) else [x[i] for i in rows.tolist()] for key, x in batch.items()}
+
+
 def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids):
     """Completion texts as the model wrote them, cut before the first EOS.
 
