@@ -234,17 +234,16 @@ def dynamic_sampling(sample, args):
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
     on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
     that differ, then keep those. After --max-sampling-rounds the batch is filled with equal-reward groups, so
-    every step has the same size (and, under torchrun, every process the same number of micro-batches)."""
-    batch, n_groups = sample(), args.prompts_per_step // dist.world_size()
-    for _ in range(args.max_sampling_rounds - 1):
-        informative = batch["rewards"].view(-1, args.group_size).std(1) > 0  # [groups]
-        if not dist.any(int(informative.sum()) < n_groups):  # every process has enough
-            break
-        batch = common.concat_batches(batch, sample())
-    informative = batch["rewards"].view(-1, args.group_size).std(1) > 0
+    every step has the same size (and, under torchrun, every process the same number of micro-batches).
+    Returns the batch and the number of rounds sampled."""
+    batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
+    informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # noqa: E731  [groups]
+    while rounds < args.max_sampling_rounds and dist.any(int(informative().sum()) < n_groups):  # a process lacks some
+        batch, rounds = common.concat_batches(batch, sample()), rounds + 1
+    informative = informative()
     groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
     rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
-    return common.select_rows(batch, rows)
+    return common.select_rows(batch, rows), rounds
 
 
 def main(args, flags_given=()):
@@ -291,7 +290,7 @@ def main(args, flags_given=()):
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
             sample = lambda: rollout(policy, tokenizer, scorer, sampler, args, device, dtype, eos_ids)  # noqa: E731
-            batch = dynamic_sampling(sample, args) if args.dynamic_sampling else sample()
+            batch, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
             rewards, b_mask = batch["rewards"], batch["completion_mask"]  # [N], [N, T]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
@@ -344,6 +343,7 @@ def main(args, flags_given=()):
         history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", all_rewards.std().item(), step)
+        writer.add_scalar("charts/sampled_completions", rounds * args.prompts_per_step * args.group_size, step)
         writer.add_scalar("charts/informative_groups", (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)

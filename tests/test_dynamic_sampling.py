@@ -42,7 +42,9 @@ def run_dynamic_sampling(rounds, prompts_per_step=2, group_size=2, max_rounds=3)
         return fake_round(rounds[len(drawn) - 1], 2, 2 + len(drawn), tag=len(drawn))
 
     args = types.SimpleNamespace(prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds)
-    return grpo.dynamic_sampling(sample, args), len(drawn)
+    batch, rounds = grpo.dynamic_sampling(sample, args)
+    assert rounds == len(drawn)
+    return batch, rounds
 
 
 def test_dynamic_sampling_stops_once_enough_groups_differ():
