@@ -2,7 +2,7 @@
 
     python benchmarks/dynamic_sampling.py --seeds 1-3 --num-steps 150      # runs, then prints the table
 
-The task is this file's own: copy one digit, 1 for the exact copy and 0 otherwise (python:THIS_FILE:exact_copy).
+The task is this file's own: write the first digit of a two-digit prompt, 1 for exactly that digit and 0 otherwise (python:THIS_FILE:first_digit).
 From the random tiny model almost every group of 8 scores all 0, so a plain GRPO step learns from few groups;
 dynamic sampling samples more rounds until the batch holds groups whose rewards differ. Each run logs the greedy
 held-out accuracy (--eval-every); the table gives it at the end, the completions sampled to get there (dynamic
@@ -18,18 +18,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.seeds import scalars, seeds_of  # noqa: E402
 
-EXAMPLES = [{"prompt": f"{n}=", "answer": f"{n}"} for n in range(10)] * 10
+EXAMPLES = [{"prompt": f"{n:02d}=", "answer": f"{n // 10}"} for n in range(100)]  # 10 held out, each digit in training
 
 
-def exact_copy(prompt, completion, answer):
-    """1 for the exact copy, else 0: right or wrong, no partial credit."""
+def first_digit(prompt, completion, answer):
+    """1 for exactly the answer, else 0: right or wrong, no partial credit."""
     return float(completion == answer)
 
 
 def run(seed, dynamic, num_steps, runs_dir, extra):
     out = os.path.join(runs_dir, f"{'dynamic' if dynamic else 'plain'}-{seed}")
     if not os.path.isdir(out):
-        command = [sys.executable, "grpo.py", "--task", f"python:{os.path.abspath(__file__)}:exact_copy",
+        command = [sys.executable, "grpo.py", "--task", f"python:{os.path.abspath(__file__)}:first_digit",
                    "--max-new-tokens", "2", "--seed", str(seed), "--num-steps", str(num_steps), "--eval-every", "10",
                    "--sample-every", "0", "--output-dir", out, *(["--dynamic-sampling"] if dynamic else []), *extra]
         subprocess.run(command, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
