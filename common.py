@@ -110,6 +110,24 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
 
 
+def concat_batches(a, b):
+    """Two rollout batches as one, rows of `a` then `b`: prompts stay left-padded and completions right-padded
+    to the wider of the two (pad id 0, mask 0: every pad position is masked out). Lists are joined, [N] tensors
+    concatenated."""
+    joined = {}
+    for key, x in a.items():
+        y = b[key]
+        if not torch.is_tensor(x):
+            joined[key] = x + y
+            continue
+        if x.dim() == 2:  # [N, width]: pad the narrower one, on the left for prompts
+            width, left = max(x.shape[1], y.shape[1]), key.startswith("prompt")
+            pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))  # noqa: E731
+            x, y = pad(x), pad(y)
+        joined[key] = torch.cat([x, y])
+    return joined
+
+
 def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids):
     """Completion texts as the model wrote them, cut before the first EOS.
 
@@ -299,10 +317,12 @@ def masked_mean(x, mask, dim=None):
 
 
 def select_rows(batch, rows):
-    """The rows `rows` (a slice or indices) of every per-completion tensor of a batch dict (those as long as its
-    completion_mask); other entries (None, counts, per-step scalars) are kept as they are."""
+    """The rows `rows` (a slice or an index tensor) of every per-completion tensor and list of a batch dict (those
+    as long as its completion_mask); other entries (None, counts, per-step scalars) are kept as they are."""
     n = len(batch["completion_mask"])
-    return {k: v[rows] if torch.is_tensor(v) and v.dim() > 0 and len(v) == n else v for k, v in batch.items()}
+    picked = range(n)[rows] if isinstance(rows, slice) else rows.tolist()
+    return {k: v[rows] if torch.is_tensor(v) and v.dim() > 0 and len(v) == n
+            else [v[i] for i in picked] if isinstance(v, list) and len(v) == n else v for k, v in batch.items()}  # fmt: skip
 
 
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):

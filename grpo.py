@@ -100,6 +100,10 @@ class Args(bookkeeping.RunArgs):
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
     micro_batch_size: int = 128
     """completions per forward/backward pass; the gradient is that of the whole batch"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: train only on groups whose rewards differ, sampling more prompts to fill the batch"""
+    max_sampling_rounds: int = 3
+    """with --dynamic-sampling, rounds of prompts_per_step prompts sampled at most per step"""
 
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
@@ -114,7 +118,7 @@ def check_args(args):
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
     bookkeeping.check_positive(
-        args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size")
+        args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size", "max_sampling_rounds")
     bookkeeping.check_range(args, ">= 0", "beta")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
 
@@ -227,6 +231,43 @@ def compute_loss(outputs, batch, args):
                      batch["num_seqs"], batch["num_tokens"], args)
 
 
+def rollout(policy, tokenizer, scorer, sampler, args, device, dtype, eos_ids):
+    """One round of sampling: prompts_per_step prompts (under torchrun: this process's share), G completions of
+    each, laid out group by group, and their rewards (a dense reward counts as its sum, the outcome).
+
+    Returns a batch dict (common.concat_batches joins two): prompts, answers, completions [N] and prompt_ids,
+    prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N].
+    """
+    examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
+    prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
+    answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
+    with common.autocast(device, dtype), dist.full_weights(policy):
+        prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+            policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
+        )
+    completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+    token_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
+    return dict(prompts=prompts, answers=answers, completions=completions, prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+                token_scores=token_scores, rewards=token_scores.sum(1))  # fmt: skip
+
+
+def dynamic_sampling(sample, args):
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
+    on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
+    that differ, then keep those. After --max-sampling-rounds the batch is filled with equal-reward groups, so
+    every step has the same size (and, under torchrun, every process the same number of micro-batches).
+    Returns the batch and the number of rounds sampled."""
+    batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
+    informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # noqa: E731  [groups]
+    while rounds < args.max_sampling_rounds and dist.any(int(informative().sum()) < n_groups):  # a process lacks some
+        batch, rounds = common.concat_batches(batch, sample()), rounds + 1
+    informative = informative()
+    groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
+    rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
+    return common.select_rows(batch, rows), rounds
+
+
 def main(args, flags_given=()):
     preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
     check_args(args)
@@ -270,26 +311,17 @@ def main(args, flags_given=()):
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
-            examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
-            prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
-            answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
-                )
-            completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-            # One reward per completion: a dense reward (on its tokens, [N, T]) counts as its sum, the outcome.
-            b_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
-            rewards = b_scores.sum(1)  # [N]
+            sample = lambda: rollout(policy, tokenizer, scorer, sampler, args, device, dtype, eos_ids)  # noqa: E731
+            sampled, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
+            rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
             advantages = compute_advantages(dict(rewards=all_rewards), args)[dist.rows(len(rewards))]  # [N]
 
-            b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
-            b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            b_mask = completion_mask  # [N, T]
-            N, num_tokens = len(prompts), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
+            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
+            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
+            N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
                 forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
@@ -297,9 +329,9 @@ def main(args, flags_given=()):
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
                 b_old_logp = forward(policy) if args.num_iterations > 1 else None
                 b_ref_logp = forward(ref_model) if ref_model else None
-            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                           completion_mask=b_mask, rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
-            batch = dict(rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
+            b_rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                             rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
+            batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
         with timer("train"):
@@ -318,7 +350,7 @@ def main(args, flags_given=()):
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                dump = dumps.batch_dump(rollout, updates[-1], DUMPED)  # the last iteration's is written
+                dump = dumps.batch_dump(b_rollout, updates[-1], DUMPED)  # the last iteration's is written
                 dumps.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], grad_norm)
                 optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
@@ -331,6 +363,8 @@ def main(args, flags_given=()):
         history["length"].append(lengths.mean().item())
         writer.add_scalar("charts/score", score_mean, step)
         writer.add_scalar("charts/reward_std", all_rewards.std().item(), step)
+        writer.add_scalar("charts/sampled_completions", rounds * args.prompts_per_step * args.group_size, step)
+        writer.add_scalar("charts/informative_groups", (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean().item(), step)
         writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
         scheduler.step()  # after logging the rate this step's updates used
@@ -343,7 +377,7 @@ def main(args, flags_given=()):
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.group_size), args.group_size):
-                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {rewards[i].item():.2f}")
+                tqdm.write(f"step {step} | {sampled['prompts'][i]!r} -> {sampled['completions'][i]!r} | score {rewards[i].item():.2f}")
         if args.eval_every and step % args.eval_every == 0:
             with common.autocast(device, dtype), dist.full_weights(policy):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)

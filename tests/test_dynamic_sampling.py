@@ -1,0 +1,83 @@
+"""grpo.py's rollout as a unit: rounds joined with their padding, and DAPO's dynamic sampling."""
+
+import types
+
+import torch
+
+import common
+import grpo
+
+
+def fake_round(rewards, prompt_width, completion_width, tag):
+    """A rollout batch of len(rewards) rows whose ids say which round and row they came from."""
+    n = len(rewards)
+    ids = torch.arange(n)[:, None] + 100 * tag
+    return dict(
+        prompts=[f"p{tag}.{i}" for i in range(n)], completions=[f"c{tag}.{i}" for i in range(n)],
+        prompt_ids=ids.expand(n, prompt_width).clone(), prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
+        completion_ids=ids.expand(n, completion_width).clone(),
+        completion_mask=torch.ones(n, completion_width, dtype=torch.long), rewards=torch.tensor(rewards),
+    )  # fmt: skip
+
+
+def test_concat_batches_pads_prompts_left_and_completions_right():
+    a, b = fake_round([0.0, 1.0], 3, 2, tag=1), fake_round([1.0], 1, 4, tag=2)
+    joined = common.concat_batches(a, b)
+    assert joined["prompts"] == ["p1.0", "p1.1", "p2.0"]
+    assert joined["prompt_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1]]  # left padding
+    assert joined["prompt_ids"][2].tolist() == [0, 0, 200]
+    assert joined["completion_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]  # right padding
+    assert joined["completion_ids"][0].tolist() == [100, 100, 0, 0]
+    assert joined["rewards"].tolist() == [0.0, 1.0, 1.0]
+    picked = common.select_rows(joined, torch.tensor([2, 0]))
+    assert picked["completions"] == ["c2.0", "c1.0"] and picked["rewards"].tolist() == [1.0, 0.0]
+
+
+def run_dynamic_sampling(rounds, prompts_per_step=2, group_size=2, max_rounds=3):
+    """dynamic_sampling over scripted rounds; returns the batch and how many rounds were drawn."""
+    drawn = []
+
+    def sample():
+        drawn.append(len(drawn))
+        return fake_round(rounds[len(drawn) - 1], 2, 2 + len(drawn), tag=len(drawn))
+
+    args = types.SimpleNamespace(prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds)
+    batch, rounds = grpo.dynamic_sampling(sample, args)
+    assert rounds == len(drawn)
+    return batch, rounds
+
+
+def test_dynamic_sampling_stops_once_enough_groups_differ():
+    batch, drawn = run_dynamic_sampling([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    assert drawn == 1  # both groups of the first round differ: no second round
+    assert batch["prompts"] == ["p1.0", "p1.1", "p1.2", "p1.3"]
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ():
+    # round 1: groups (1, 1) equal and (0, 1) informative; round 2: (0, 0) equal and (1, 0) informative
+    batch, drawn = run_dynamic_sampling([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    assert drawn == 2
+    assert batch["prompts"] == ["p1.2", "p1.3", "p2.2", "p2.3"]  # the two informative groups, in order
+    assert batch["rewards"].view(-1, 2).std(1).gt(0).all()
+    assert batch["completion_ids"].shape == (4, 4)  # round 2's width; round 1's rows padded on the right
+    assert batch["completion_mask"][:2].sum(1).tolist() == [3, 3]
+
+
+def test_dynamic_sampling_fills_with_equal_groups_after_the_last_round():
+    batch, drawn = run_dynamic_sampling([[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]], max_rounds=2)
+    assert drawn == 2
+    assert len(batch["rewards"]) == 4  # always prompts_per_step groups: the step's shapes never change
+    assert batch["prompts"][:2] == ["p2.0", "p2.1"]  # the one informative group first, then the first equal one
+    assert batch["prompts"][2:] == ["p1.0", "p1.1"]
+
+
+def test_a_step_with_dynamic_sampling_trains_on_informative_groups(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = grpo.Args(num_steps=2, prompts_per_step=4, group_size=4, dynamic_sampling=True, max_sampling_rounds=4,
+                     dump_dir=str(tmp_path / "dumps"), sample_every=0)  # fmt: skip
+    grpo.main(args)
+    from safetensors.torch import load_file
+
+    rewards = load_file(str(tmp_path / "dumps" / "step000002.safetensors"))["rewards"]
+    assert rewards.shape == (16,)
+    assert rewards.view(-1, 4).std(1).gt(0).all()  # copy's partial credit: 4 rounds always find 4 such groups
