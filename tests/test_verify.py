@@ -324,6 +324,46 @@ def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsy
     assert "TRL use_bias_correction_kl=False, grpo.py --bias-corrected-kl True" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_trl_loss_types(capsys, tmp_path, loss_agg):
+    """dapo and dr_grpo, with TRL's default bias-corrected k3 matched by --bias-corrected-kl, and GSPO."""
+    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
+    flags = dict(GRPO_RECIPE, loss_agg=loss_agg, scale_rewards="none")
+    if loss_agg == "token-mean":
+        flags.update(importance_level="sequence", scale_rewards="batch", clip_low=3e-4, clip_high=4e-4)
+    code, out, _ = run(capsys, make_dump(tmp_path, "grpo", **flags), "--against", "trl")
+    assert code == 0, out
+
+
+@pytest.mark.slow
+def test_trl_weight_decay_is_named(capsys, tmp_path):
+    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
+    dump = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, weight_decay=0.1))
+    code, out, _ = run(capsys, dump, "--against", "trl")
+    assert code == 1 and rows(out)["update"].startswith("FAIL") and rows(out)["gradient"] == "pass", out
+    assert "the HF Trainer leaves biases and norm weights out of weight decay" in out
+
+
+def recipe(script):
+    """The recommended command of verify.py's docstring, as Args fields; the README gives the same command."""
+    text = verify.__doc__.replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.strip().startswith(f"python {script}.py"))
+    tokens = line.split("#")[0].split()[2:]
+    fields = {tokens[i][2:].replace("-", "_"): tokens[i + 1] for i in range(0, len(tokens), 2)}
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert " ".join(line.split("#")[0].split()) in readme
+    return {k: v for k, v in fields.items() if k != "dump_dir"}
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_the_documented_recipe_is_the_tested_one(script):
+    tested = GRPO_RECIPE if script == "grpo" else PPO_RECIPE
+    documented = recipe(script)
+    assert documented.keys() == tested.keys()
+    assert all(str(tested[k]) == v or float(tested[k]) == float(v) for k, v in documented.items() if k != "task")
+
+
 def site_env(name, requirements):
     """An optional peer installed apart (adapters/NAME.py): NAME_SITE, or .NAME-site in the checkout."""
     site = os.environ.get(f"{name.upper()}_SITE") or os.path.join(ROOT, f".{name}-site")
@@ -355,15 +395,19 @@ def test_verl(dumps, script):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_openrlhf(dumps, tmp_path, script):
-    """OpenRLHF's own functions agree once its eps are matched (--adv-eps), and name what differs when not."""
+    """OpenRLHF's own functions agree once a dump has its settings, and name what differs when not."""
     env = site_env("openrlhf", "requirements-openrlhf.txt")
-    code, out = run_peer(dumps[script], "openrlhf", env)
-    results = rows(out)
-    if script == "grpo":  # group_norm divides by std + 1e-9, grpo.py's --adv-eps 1e-4: named
-        assert code == 1 and results["advantages"].startswith("FAIL"), out
-        code, out = run_peer(dumps[script], "openrlhf", env, "--accept", "advantages")
-        assert code == 0 and rows(out)["advantages"].startswith("differs (known: OpenRLHF's group_norm"), out
-        aligned = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, adv_eps=1e-9, scale_rewards="group"))
-        code, out = run_peer(aligned, "openrlhf", env)
-    assert code == 0, out
-    assert all(r.startswith(("pass", "skip")) for r in rows(out).values()), out
+    if script == "ppo":  # its controller is fed the per-token mean KL: the one difference, named and accepted
+        code, out = run_peer(dumps["ppo"], "openrlhf", env)
+        assert code == 1 and rows(out)["kl_coef"].startswith("FAIL at step 3") and "FAIL: kl_coef" in out, out
+        code, out = run_peer(dumps["ppo"], "openrlhf", env, "--accept", "kl_coef")
+        assert code == 0 and rows(out)["kl_coef"].startswith("differs (known: OpenRLHF feeds"), out
+    else:  # its GRPO: the group's std with eps 1e-9, the paper's k3
+        flags = dict(GRPO_RECIPE, scale_rewards="group", bias_corrected_kl=False)
+        code, out = run_peer(make_dump(tmp_path / "a", "grpo", **flags), "openrlhf", env)
+        assert code == 1 and rows(out)["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
+        code, out = run_peer(make_dump(tmp_path / "b", "grpo", **flags, adv_eps=1e-9), "openrlhf", env)
+        assert code == 0, out
+    expected = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"]
+    expected += ["rewards", "returns"] if script == "ppo" else []
+    assert all(rows(out)[q] == "pass" for q in expected), out
