@@ -180,6 +180,10 @@ def call(adapter, name, *args):
     fn = getattr(adapter, name, None)
     if fn is None:
         return None, f"adapter has no {name}()"
+    # Copies of the batch's tensors and of the run's args: an adapter that writes into them cannot change later
+    # checks (update()'s state, the one other dict, is the adapter's to keep).
+    args = [{k: v.clone() if torch.is_tensor(v) else v for k, v in a.items()}
+            if isinstance(a, dict) and ("completion_mask" in a or "script" in a) else a for a in args]  # fmt: skip
     try:
         out = fn(*args)
     except NotImplementedError as e:

@@ -28,11 +28,14 @@ import verify  # noqa: E402
 GROUP = dict(scale_rewards="group")
 # verify.py's recommended dumps (its docstring): every branch of every row exercised.
 GRPO_RECIPE = dict(task="copy:1-3", num_iterations=2, clip_low=0.05, clip_high=0.05, beta=0.1, max_new_tokens=4,
-                   prompts_per_step=16, group_size=8)  # fmt: skip
+                   prompts_per_step=16, group_size=8, temperature=0.8, weight_decay=0.1)  # fmt: skip
 PPO_RECIPE = dict(task="copy:1-3", num_steps=3, prompts_per_step=16, critic_learning_rate=1e-2, clip_low=0.05,
-                  clip_high=0.05, cliprange_value=0.01, target_kl=1.0, kl_horizon=100, max_new_tokens=4)  # fmt: skip
+                  clip_high=0.05, cliprange_value=0.01, target_kl=2.0, kl_horizon=100, max_new_tokens=4,
+                  temperature=0.8, gamma=0.95, micro_batch_size=4)  # fmt: skip
 MODES = {
     "GRPO, verify.py's recommended dump": ("grpo", GRPO_RECIPE),
+    "GRPO, recommended, --no-decay-norms-and-biases (the HF Trainer's groups)": (
+        "grpo", dict(GRPO_RECIPE, decay_norms_and_biases=False)),
     "GRPO, recommended, OpenRLHF's settings (group std, --adv-eps 1e-9, paper's k3)": (
         "grpo", dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False)),
     "PPO, verify.py's recommended dump": ("ppo", PPO_RECIPE),
@@ -65,9 +68,13 @@ def peers(script, args, with_verl, with_openrlhf):
         if script == "grpo":
             aligned = ["epsilon=1e-4", f"loss_scale_factor={args['max_new_tokens']}"]
             out.append(("verl 0.9.1, " + " ".join(aligned), "verl", aligned))
+    out = [(label, name, pairs, []) for label, name, pairs in out]
     if with_openrlhf:
-        out.append(("OpenRLHF 0.11.2", "openrlhf", []))
-    return [(label, name, pairs, []) for label, name, pairs in out]
+        out.append(("OpenRLHF 0.11.2", "openrlhf", [], []))
+        known = list(verify.load_adapter("openrlhf").known_differences(args, {}))
+        if known:
+            out.append(("OpenRLHF 0.11.2, --accept " + " ".join(known), "openrlhf", [], known))
+    return out
 
 
 def make_dump(folder, script, flags):
@@ -84,7 +91,9 @@ def cell(report, quantity):
     row, (kind, _) = report.rows[quantity], report.tolerances[quantity]
     if not row["steps"]:
         return "-"
-    text = f"{row[kind]:.0e}" if row[kind] else "0"
+    text = (f"{row[kind]:.0e}" if row[kind] else "0") + ("*" if report.unexercised(quantity) else "")
+    if row["known"] and not report.passed(quantity):
+        return f"{text} (known)"
     return text if report.passed(quantity) else f"**{text}**"
 
 
@@ -129,9 +138,11 @@ def main():
 
 Written by `python benchmarks/agreement.py` (its docstring says how). Each row is `python verify.py DUMP
 --against PEER [--set ...]` on a fresh dump of the mode: the largest difference over the steps checked,
-absolute, the gradient's relative to its largest element; `-` is a check not made (the peer cannot, or the
+in the row's tolerance kind (relative: over the largest of ours); `-` is a check not made (the peer cannot, or the
 mode has no such quantity: run verify.py for the reason). Tolerances: {tolerances}. A failing row lists the
-known differences its flags switch on; the aligned row under it shows whether they are the whole story.
+known differences its flags switch on; the aligned row under it shows whether they are the whole story; "(known)"
+is a difference the adapter declares and the row accepts (`--accept`). A `*` marks a row whose dump never
+exercised a branch it checks (verify.py names it): the "recommended" modes exercise every one.
 
 """
     os.makedirs(os.path.dirname(opts.output), exist_ok=True)
