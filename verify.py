@@ -1,10 +1,12 @@
 """Verify another implementation against this one, from a dump, in one command.
 
     python grpo.py --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-2 --clip-low 0.05 \\
-        --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --dump-dir dumps/grpo    # the recommended GRPO dump
+        --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 0.1 \\
+        --dump-dir dumps/grpo                                                     # the recommended GRPO dump
     python ppo.py --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
-        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1 \\
-        --kl-horizon 100 --max-new-tokens 4 --dump-dir dumps/ppo                 # the recommended PPO dump
+        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 2 \\
+        --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 \\
+        --dump-dir dumps/ppo                                                      # the recommended PPO dump
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
     python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements-extra.txt)
     python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements-openrlhf.txt)
@@ -14,7 +16,8 @@ Make the dump with your implementation's settings (its advantage eps is --adv-ep
 aggregation and clip ranges are flags too). The recommended dumps exercise every branch a row checks: prompts
 of different lengths (left padding), completions that end early and some without EOS, ratios away from 1
 (GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped on both sides, values
-moved and clipped, a KL that is not 0 (steps 2 and 3) and a moving KL coefficient. A row whose branch no step
+moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a temperature and a gamma
+other than 1, micro-batches smaller than their minibatch, weight decay and a clipped gradient norm. A row whose branch no step
 exercised says so ("never exercised: ..."), in place of a plain pass.
 
 Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
@@ -31,7 +34,8 @@ result. A NaN or inf fails its row.
   loss            the aggregated loss
   gradient        of the loss, from the replayed weights and the same batch (the strongest check)
   update          GRPO: the adapter's own optimizer stepped from the initial weights through every step, its
-                  state carried over, scored by the next step's stored log-probs
+                  state carried over (AdamW, weight decay, the gradient's norm clipped), scored by the next
+                  step's stored log-probs (a warmup schedule is checked where the dump has --warmup-steps)
 
 Weights: step 1 starts from --model; later weights (and PPO's moved models within a step) are replayed here
 from the stored batches with this project's loss and AdamW, each replay checked against the stored log-probs.
@@ -105,10 +109,12 @@ def loss_conditions(report, quantities, ref, batch, args):
     """What a loss row exercises on this batch, read from this project's own per-token terms."""
     _, terms = ref._loss(batch, args)
     real = batch["completion_mask"].bool()
+    ends_early = (real[:, -1] == 0).any()
     ratio, adv = terms["logratio"].exp()[real], terms["advantages"].expand_as(real)[real]
     low, high = ratio < 1 - args["clip_low"], ratio > 1 + args["clip_high"]
     for q in quantities:
         report.exercise(q, "a ratio away from 1", ((ratio - 1).abs() > 1e-6).any())
+        report.exercise(q, EARLY, ends_early)  # the aggregation's denominators differ
         report.exercise(q, "a ratio clipped below with A < 0", (low & (adv < 0)).any())
         report.exercise(q, "a ratio clipped above with A > 0", (high & (adv > 0)).any())
         report.exercise(q, "a ratio out of the clip range where the clip does not bind", ((low & (adv > 0)) |
@@ -117,6 +123,7 @@ def loss_conditions(report, quantities, ref, batch, args):
             moved = (terms["new_values"] - terms["old_values"])[real]
             report.exercise(q, "values moved from the rollout's", (moved != 0).any())
             report.exercise(q, "a value clipped (|V - V_old| > cliprange_value)", (moved.abs() > args["cliprange_value"]).any())
+            report.exercise(q, "a micro-batch smaller than its minibatch", batch["num_seqs"] > len(real))
         elif "kl_ref" in terms:
             report.exercise(q, "a KL that is not 0", (terms["kl_ref"][real] != 0).any())
 
@@ -145,6 +152,7 @@ def check_advantages(report, adapter, step, d, batch, args):
     for q in ("advantages", "returns"):
         report.skip(q, why)
         report.exercise(q, EARLY, (mask[:, -1] == 0).any())
+        report.exercise(q, "gamma and lambda below 1", args["gamma"] < 1 and args["lam"] < 1)
 
 
 def check_rewards(report, adapter, ref, step, d, batch, args):
@@ -262,6 +270,7 @@ def check_logprobs(report, adapter, ref, step, model, batch, expected, what, ini
     report.skip("log-probs", why)
     report.exercise("log-probs", "left padding (prompts of different lengths)", (batch["prompt_mask"] == 0).any())
     report.exercise("log-probs", EARLY, (mask[:, -1] == 0).any())
+    report.exercise("log-probs", "a temperature other than 1", args["temperature"] != 1)
 
 
 def check_gradient(report, adapter, ref, step, batch, args, models):
@@ -272,6 +281,8 @@ def check_gradient(report, adapter, ref, step, batch, args, models):
     if theirs is not None:
         report.add("gradient", step, theirs, ours)
         loss_conditions(report, ["gradient"], ref, batch, args)
+    if args["script"] == "grpo":
+        report.exercise("update", "the gradient's norm clipped", ours.norm() > args["max_grad_norm"])
     report.skip("gradient", why)
 
 
@@ -371,6 +382,7 @@ def check_update(report, adapter, ref, steps, args, initial):
             after = ref.token_logprobs(copy.deepcopy(model).eval(), following, args)
         report.add("update", step, after, following[key], following["completion_mask"], key)
         report.exercise("update", "a step after the first (the optimizer's state carried over)", step > 1)
+        report.exercise("update", "weight decay", args["weight_decay"] > 0)
     report.skip("update", "needs two consecutive steps")
 
 

@@ -1,6 +1,7 @@
 """--dump-dir: every derived number in a step's dump can be recomputed from the dump's own inputs,
 its metadata.json and the reference formulas, as someone checking another implementation would."""
 
+import argparse
 import glob
 import json
 import os
@@ -158,8 +159,11 @@ def check_ppo_dump(meta, d, eos_ids):
     advantages = ppo.masked_whiten(advantages, mask)
     close(d["advantages"], advantages)
 
-    # The first micro-batch (rows micro_index) of the first minibatch (rows minibatch_index) of the first epoch.
+    # The first micro-batch (rows micro_index) of the last minibatch (rows minibatch_index) of the last epoch, and
+    # every minibatch's rows in the order of the updates (the last one's included).
     idx, minibatch = d["micro_index"], d["minibatch_index"]
+    order = d["minibatches"].view(-1, len(minibatch))
+    assert len(order) == a["update_epochs"] * a["num_minibatches"] and order[-1].tolist() == minibatch.tolist()
     assert set(idx.tolist()) <= set(minibatch.tolist()) and len(idx) == min(a["micro_batch_size"], len(minibatch))
     mb_mask = mask[idx]
     pg_loss = ppo.clipped_policy_loss(d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"])
@@ -170,9 +174,8 @@ def check_ppo_dump(meta, d, eos_ids):
         per_token_loss, mb_mask, "token-mean", len(minibatch), int(mask[minibatch].sum()), a["max_new_tokens"]
     )
     close(d["loss"], loss)
-    # No update has happened yet in this step: the new log-probs and values are the rollout's.
-    close(d["new_logp"], d["old_logp"][idx])
-    close(d["new_values"], d["values"][idx])
+    # The reward from its parts: score (less the missing-EOS penalty) at the last real token, the KL penalty.
+    close(ppo.compute_rewards(d, argparse.Namespace(**a))[0], rewards)
 
 
 @pytest.mark.parametrize("variant", PPO_VARIANTS)

@@ -571,7 +571,7 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             where = f"step {step}, epoch {epoch + 1}, minibatch {k + 1}"
             assert_grads_close(policy_call["grads"], [p.grad for p in policy.parameters()], f"{where}: policy gradient")
             assert_grads_close(critic_call["grads"], [p.grad for p in critic.parameters()], f"{where}: critic gradient")
-            if u == 0:  # the dump holds the first micro-batch of the first minibatch of the first epoch
+            if u == E * K - 1:  # the dump holds the first micro-batch of the last minibatch of the last epoch
                 assert d["minibatch_index"].tolist() == idx
                 micro = d["micro_index"]
                 n = len(micro)

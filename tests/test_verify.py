@@ -18,10 +18,10 @@ import verify
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # verify.py's recommended dumps (its docstring and the README give the same commands).
 GRPO_RECIPE = dict(task="copy:1-3", num_steps=3, num_iterations=2, learning_rate=1e-2, clip_low=0.05, clip_high=0.05,
-                   beta=0.1, max_new_tokens=4)  # fmt: skip
+                   beta=0.1, max_new_tokens=4, temperature=0.8, weight_decay=0.1)  # fmt: skip
 PPO_RECIPE = dict(task="copy:1-3", num_steps=3, prompts_per_step=16, learning_rate=1e-2, critic_learning_rate=1e-2,
-                  clip_low=0.05, clip_high=0.05, cliprange_value=0.01, target_kl=1.0, kl_horizon=100,
-                  max_new_tokens=4)  # fmt: skip
+                  clip_low=0.05, clip_high=0.05, cliprange_value=0.01, target_kl=2.0, kl_horizon=100,
+                  max_new_tokens=4, temperature=0.8, gamma=0.95, micro_batch_size=4)  # fmt: skip
 
 
 def make_dump(folder, script, **flags):
@@ -247,7 +247,10 @@ def test_ctrl_c_in_the_adapter(dumps, capsys, tmp_path):
 def test_a_stub_at_import_does_not_break_the_models(dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, "import sys, types\nsys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
                             "import verify_report\nloss = verify_report.load_adapter('self').loss\n")
-    code, out, _ = run(capsys, dumps["plain"], "--against", adapter)
+    try:
+        code, out, _ = run(capsys, dumps["plain"], "--against", adapter)
+    finally:  # verify.py runs once a process: the stub must not reach the tests after this one
+        sys.modules.pop("deepspeed", None)
     assert code == 0 and rows(out)["loss"].startswith("pass"), out
 
 
@@ -314,14 +317,49 @@ def test_the_command_line(dumps):
 # The shipped adapters of other implementations, skipped where the optional package is absent.
 
 
-def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsys):
+def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsys, tmp_path):
+    """The HF Trainer's weight-decay groups, then TRL's KL form: each named, each aligned by a flag."""
     pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
-    code, out, _ = run(capsys, dumps["grpo"], "--against", "trl")  # TRL's default: the bias-corrected k3
-    assert code == 0, out
-    assert all(r.startswith(("pass", "skip")) for r in rows(out).values()), out
-    code, out, _ = run(capsys, dumps["grpo"], "--against", "trl", "--set", "use_bias_correction_kl=false")
+    code, out, _ = run(capsys, dumps["grpo"], "--against", "trl")
+    assert code == 1 and rows(out)["update"].startswith("FAIL") and rows(out)["gradient"] == "pass", out
+    assert "the HF Trainer leaves biases and norm weights out of weight decay" in out
+    aligned = make_dump(tmp_path, "grpo", **GRPO_RECIPE, decay_norms_and_biases=False)
+    code, out, _ = run(capsys, aligned, "--against", "trl")  # TRL's default: the bias-corrected k3
+    assert code == 0 and all(r.startswith(("pass", "skip")) for r in rows(out).values()), out
+    code, out, _ = run(capsys, aligned, "--against", "trl", "--set", "use_bias_correction_kl=false")
     assert code == 1 and rows(out)["gradient"].startswith("FAIL") and rows(out)["per-token loss"].startswith("FAIL")
     assert "TRL use_bias_correction_kl=False, grpo.py --bias-corrected-kl True" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_trl_loss_types(capsys, tmp_path, loss_agg):
+    """dapo and dr_grpo, with TRL's default bias-corrected k3 matched by --bias-corrected-kl, and GSPO."""
+    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
+    flags = dict(GRPO_RECIPE, loss_agg=loss_agg, scale_rewards="none", decay_norms_and_biases=False)
+    if loss_agg == "token-mean":
+        flags.update(importance_level="sequence", scale_rewards="batch", clip_low=3e-4, clip_high=4e-4)
+    code, out, _ = run(capsys, make_dump(tmp_path, "grpo", **flags), "--against", "trl")
+    assert code == 0, out
+
+
+def recipe(script):
+    """The recommended command of verify.py's docstring, as Args fields; the README gives the same command."""
+    text = verify.__doc__.replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.strip().startswith(f"python {script}.py"))
+    tokens = line.split("#")[0].split()[2:]
+    fields = {tokens[i][2:].replace("-", "_"): tokens[i + 1] for i in range(0, len(tokens), 2)}
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert " ".join(line.split("#")[0].split()) in readme
+    return {k: v for k, v in fields.items() if k != "dump_dir"}
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_the_documented_recipe_is_the_tested_one(script):
+    tested = GRPO_RECIPE if script == "grpo" else PPO_RECIPE
+    documented = recipe(script)
+    assert documented.keys() == tested.keys()
+    assert all(str(tested[k]) == v or float(tested[k]) == float(v) for k, v in documented.items() if k != "task")
 
 
 def site_env(name, requirements):
@@ -355,18 +393,22 @@ def test_verl(dumps, script):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_openrlhf(dumps, tmp_path, script):
-    """OpenRLHF's own functions agree once its eps are matched (--adv-eps), and name what differs when not."""
+    """OpenRLHF's own functions agree once a dump has its settings, and name what differs when not."""
     env = site_env("openrlhf", "requirements-openrlhf.txt")
-    code, out = run_peer(dumps[script], "openrlhf", env)
-    results = rows(out)
-    if script == "grpo":  # group_norm divides by std + 1e-9, grpo.py's --adv-eps 1e-4: named
-        assert code == 1 and results["advantages"].startswith("FAIL"), out
-        code, out = run_peer(dumps[script], "openrlhf", env, "--accept", "advantages")
-        assert code == 0 and rows(out)["advantages"].startswith("differs (known: OpenRLHF's group_norm"), out
-        aligned = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, adv_eps=1e-9, scale_rewards="group"))
-        code, out = run_peer(aligned, "openrlhf", env)
-    assert code == 0, out
-    assert all(r.startswith(("pass", "skip")) for r in rows(out).values()), out
+    if script == "ppo":  # its controller is fed the per-token mean KL: the one difference, named and accepted
+        code, out = run_peer(dumps["ppo"], "openrlhf", env)
+        assert code == 1 and rows(out)["kl_coef"].startswith("FAIL at step 3") and "FAIL: kl_coef" in out, out
+        code, out = run_peer(dumps["ppo"], "openrlhf", env, "--accept", "kl_coef")
+        assert code == 0 and rows(out)["kl_coef"].startswith("differs (known: OpenRLHF feeds"), out
+    else:  # its GRPO: the group's std with eps 1e-9, the paper's k3
+        flags = dict(GRPO_RECIPE, scale_rewards="group", bias_corrected_kl=False)
+        code, out = run_peer(make_dump(tmp_path / "a", "grpo", **flags), "openrlhf", env)
+        assert code == 1 and rows(out)["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
+        code, out = run_peer(make_dump(tmp_path / "b", "grpo", **flags, adv_eps=1e-9), "openrlhf", env)
+        assert code == 0, out
+    expected = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"]
+    expected += ["rewards", "returns"] if script == "ppo" else []
+    assert all(rows(out)[q] == "pass" for q in expected), out
 
 
 def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
