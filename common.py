@@ -223,7 +223,38 @@ def score_tokens(scorer, tokenizer, prompts, completions, answers, completion_id
                 )
             ends[i] = ends[i] or token_ends(tokenizer, ids[i], completions[i])
             placed[i] = place_dense(r, ends[i], completion_mask[i])
+    # Spans, or per-token values from a function that sees the tokens (one that does not cannot tell a prefix
+    # from a completion without EOS): checked to be causal on the longest completion, the likeliest to show it.
+    dense = [i for i, r in enumerate(rewards)
+             if isinstance(r, list) and (wants_tokens or not r or isinstance(r[0], tuple))]  # fmt: skip
+    if dense:
+        i = max(dense, key=lambda i: len(ids[i]))
+        paid = placed[i][completion_mask[i].bool()].cumsum(0).tolist()  # paid to the first k + 1 tokens
+        piece = pieces[i] if pieces else None
+        check_causal(scorer, prompts[i], completions[i], answers[i], ends[i], piece, paid)
     return placed
+
+
+def check_causal(scorer, prompt, completion, answer, ends, pieces, paid):
+    """A dense reward is per-token credit only if no token changes what an earlier one was paid: called on the
+    text of the first k tokens, the function must total what those k tokens were paid in the whole completion
+    (so the values are r_t = R(y<=t) - R(y<t) of an outcome R, which sum to R). `paid`: the running total."""
+    n = len(ends) - 1  # the last prefix is the completion itself
+    extra = {"tokens": [pieces[: k + 1] for k in range(n)]} if pieces is not None else {}
+    try:
+        totals = scorer.score([prompt] * n, [completion[: ends[k]] for k in range(n)], [answer] * n, **extra)
+    except UsageError as e:
+        raise UsageError(f"on a prefix of completion {shorten(completion)} (checking that the dense reward is "
+                         f"causal, see README, Reward functions): {e}") from None
+    for k, total in enumerate(totals):
+        total = sum(v[2] if isinstance(v, tuple) else v for v in total) if isinstance(total, list) else total
+        if abs(total - paid[k]) > 1e-5 * max(1.0, abs(total)):
+            raise UsageError(
+                f"reward function of task {scorer.name!r} is not causal: on prompt {shorten(prompt)}, the first "
+                f"{k + 1} token(s) of completion {shorten(completion)} were paid {paid[k]:.6g} in all, but it gives "
+                f"their text {shorten(completion[: ends[k]])} {total:.6g}: pay each token what it changes, "
+                "R(y<=t) - R(y<t)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------

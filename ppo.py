@@ -232,7 +232,7 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=common.masked_mean):
     (`mean`: under torchrun distributed.masked_mean, over every process's).
 
     With shift_mean=False the mean is added back, so only the scale changes (--whiten-rewards). Masked
-    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), restricted to a mask.
+    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), masked.
     """
     x_mean = mean(x, mask)
     var = mean((x - x_mean) ** 2, mask)

@@ -5,7 +5,7 @@ reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a de
 `load_task(name)` builds one by name (the --task flag):
 
     copy                  "123=" -> "123", the built-in default; the tiny model learns it on a CPU
-    copy:DIGITS[:dense]   the same with DIGITS digits; :dense credits each right character on its token
+    copy:DIGITS[:dense]   the same with DIGITS digits; :dense pays each character, on its token, what it changes
     arithmetic            "12+7=" -> "19"; arithmetic:DIGITS sets the operands' digits (default 1, up to 9)
     addition              "What is 47 plus 28? Answer with the number only." -> "75", for chat models
     countdown             reach a target from 3-4 numbers with + - * /, equation inside <answer></answer>
@@ -136,7 +136,7 @@ def split_examples(name, examples, seed=1234):
 def copy_task(digits=3, dense=False, max_examples=10_000, seed=1234):
     """Prompt "123=" -> answer "123": all 10**digits strings (1000 for the default 3: 900 to train on, 100
     held out), or `max_examples` distinct random ones when there are more. `dense`: copy_dense_reward, each
-    right character credited on its token (copy:DIGITS:dense); else copy_reward, one score at the end.
+    character paid on its token what it changes of the score (copy:DIGITS:dense); else copy_reward, at the end.
     """
     rng = random.Random(seed)
     if 10**digits <= max_examples:

@@ -51,7 +51,7 @@ def score(tokenizer, reward_fn, completions, **kw):
 
 
 def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer):
-    spans = lambda p, c, a: [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)]  # noqa: E731
+    spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]  # noqa: E731
     placed, mask = score(tiny_tokenizer, spans, ["12345", "98765"])  # one character a token, then EOS
     expected = torch.tensor([0.5, 0.0, 2.0, 0.0, -1.0, 0.0])  # chars 1-2 end at token 2; token 5 is the EOS
     assert torch.equal(placed, torch.stack([expected, expected]))
@@ -84,8 +84,8 @@ def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes
     seen = {}
 
     def reward(prompt, completion, answer, tokens):
-        seen["tokens"] = tokens
-        return [(1, 2, 0.5), (2, 3, 0.25), (0, 3, 1.0)]
+        seen.setdefault("tokens", tokens)  # the completion's (its prefixes follow, for the causality check)
+        return [s for s in [(1, 2, 0.5), (2, 3, 0.25), (0, 3, 1.0)] if s[1] <= len(completion)]
 
     placed = common.score_tokens(task_of(reward), tokenizer, ["p"], [text], ["a"], ids, mask)
     P = pad_left
@@ -94,6 +94,35 @@ def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes
     expected[0, P + 3] = 0.25 + 1.0  # the character "1", and the whole text, end at token 3
     assert torch.equal(placed, expected)
     assert seen["tokens"] == ["a", "", "é", "1", ""]  # the text each token writes: nothing for é's first byte, EOS
+
+
+def share_of_the_longer(prompt, completion, answer):
+    """The dense copy reward as it was first written: each right character 1 / max(len(answer), len(completion))."""
+    n = max(len(answer), len(completion))
+    return [(i, i + 1, 1 / n) for i, (a, c) in enumerate(zip(answer, completion)) if a == c]
+
+
+def test_a_dense_reward_that_is_not_causal_gets_one_line(tiny_tokenizer):
+    """"12345" for answer "1234": the 5 lowers what each right character was paid (0.25 to 0.2)."""
+    ids, mask = batch(tiny_tokenizer, ["12345", "12"])
+    with pytest.raises(UsageError, match=r"is not causal: on prompt '1234=', the first 1 token\(s\) of completion "
+                                         r"'12345' were paid 0.2 in all, but it gives their text '1' 0.25") as e:
+        common.score_tokens(task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2,
+                            ids, mask)  # fmt: skip
+    assert "\n" not in str(e.value)
+    placed = common.score_tokens(task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"],
+                                 ["1234"] * 2, ids, mask)  # fmt: skip
+    assert placed[0].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, -0.2, 0])  # the 5 pays on its own token
+
+
+def test_per_token_values_are_checked_on_the_prefixes_they_are_given(tiny_tokenizer):
+    """A function taking `tokens` sees each prefix's tokens; paying the last token for the length is not causal."""
+    causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]  # noqa: E731
+    ids, mask = batch(tiny_tokenizer, ["121"])
+    assert common.score_tokens(task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask).sum() == pytest.approx(0.2)
+    by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]  # noqa: E731
+    with pytest.raises(UsageError, match="is not causal"):
+        common.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
 
 
 def test_copy_dense_reward_is_the_increase_of_copy_reward_on_each_prefix():

@@ -115,3 +115,29 @@ def test_training_improves_reward(tmp_path):
     n = num_steps // 10
     first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
     assert last > first + 0.4, f"reward first 10% {first:.3f} -> last 10% {last:.3f}"
+
+
+@pytest.mark.parametrize("importance_level", ["token", "sequence"])
+def test_the_bias_corrected_kl_gradient_is_unbiased_with_token_ratios_only(importance_level):
+    """Exact expectations over every completion of a 2-token, 3-word policy whose positions are independent:
+    E_old[grad of grpo_loss's k3 * ratio] is grad KL(policy || ref) with one ratio per token; with GSPO's sequence
+    ratio on every token the score-function part of it is divided by the length, so it is not."""
+    import itertools
+    import types
+
+    theta = torch.tensor([[0.3, -1.0, 0.5], [1.2, 0.0, -0.4]], requires_grad=True)  # [T, V] logits
+    ref = torch.log_softmax(torch.tensor([[0.0, 0.5, -0.5], [-1.0, 0.2, 0.9]]), -1)
+    args = types.SimpleNamespace(importance_level=importance_level, bias_corrected_kl=True, beta=1.0, clip_low=0.2,
+                                 clip_high=0.2, loss_agg="seq-mean-token-sum-norm", max_new_tokens=1)  # fmt: skip
+    logp = torch.log_softmax(theta, -1)
+    expected = 0.0
+    for y in itertools.product(range(3), repeat=2):
+        new = logp[[0, 1], list(y)][None]  # [1, T]
+        loss, _ = grpo.grpo_loss(new, new.detach(), ref[[0, 1], list(y)][None], torch.zeros(1), torch.ones(1, 2), 1, 2, args)
+        expected = expected + new.detach().sum().exp() * loss  # weighted by the old policy's probability
+    (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    (kl_grad,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    if importance_level == "token":
+        torch.testing.assert_close(grad, kl_grad)
+    else:
+        assert (grad - kl_grad).abs().max() > 0.01

@@ -53,10 +53,11 @@ def first_eos_lengths(completion_ids):
 
 
 def summed_kl_per_completion(d):
-    """k3 of the rollout's log-probs against the reference's, summed over each completion's real tokens, averaged."""
+    """k1 of the rollout's log-probs against the reference's (what the controller tracks, whatever estimator the
+    penalty uses: k3 here), summed over each completion's real tokens, averaged."""
     sums = []
     for old, ref, n in zip(d["old_logp"].tolist(), d["ref_logp"].tolist(), first_eos_lengths(d["completion_ids"])):
-        sums.append(sum(torch.exp(torch.tensor(r - o)).item() - 1 - (r - o) for o, r in zip(old[:n], ref[:n])))
+        sums.append(sum(o - r for o, r in zip(old[:n], ref[:n])))
     return sum(sums) / len(sums)
 
 

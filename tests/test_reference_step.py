@@ -124,12 +124,13 @@ def text_of(tokenizer, ids):
 
 
 def row_forward(model, prompt, completion):
-    """Log-probs [L] at TEMPERATURE of the completion's tokens, and the entropies [L] of the distributions."""
+    """Log-probs [L] at TEMPERATURE of the completion's tokens, and the entropies [L] of the distributions (both
+    with their gradients)."""
     ids = torch.tensor([prompt + completion])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE  # position t predicts t + 1
     logprobs = torch.log_softmax(logits, -1)
     logp = logprobs[torch.arange(len(completion)), torch.tensor(completion)]
-    return logp, -(logprobs.exp() * logprobs).sum(-1).detach()
+    return logp, -(logprobs.exp() * logprobs).sum(-1)
 
 
 def row_values(critic, prompt, completion):
@@ -428,6 +429,8 @@ PPO_VARIANTS = {
     "k1-target-kl": dict(kl_coef=0.05, kl_estimator="k1", target_kl=0.5, kl_horizon=40, missing_eos_penalty=0.0,
                          gamma=1.0, lam=0.95, vf_coef=0.1, cliprange_value=0.2, micro_batch_size=4, update_epochs=1,
                          num_minibatches=4),
+    # The entropy bonus in the loss (Schulman et al. 2017, eq. 9), with its gradient, over two micro-batches.
+    "entropy-bonus": dict(ent_coef=0.5, micro_batch_size=2, max_grad_norm=0.02),
     # No reference model: no penalty at all. Three epochs of 2 minibatches.
     "no-reference": dict(kl_coef=0.0, missing_eos_penalty=0.3, gamma=1.0, lam=1.0, vf_coef=0.2, cliprange_value=0.1,
                          micro_batch_size=2, update_epochs=3),
@@ -477,7 +480,7 @@ def ppo_minibatch_loss(policy, critic, rows, idx, old, adv, values, returns, a):
         c = a["cliprange_value"]
         v_clipped = values[i] + (new_values - values[i]).clamp(-c, c)
         vloss = 0.5 * torch.maximum((new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2)
-        per_token.append(pg + a["vf_coef"] * vloss)
+        per_token.append(pg + a["vf_coef"] * vloss - a["ent_coef"] * entropy)  # the entropy bonus, eq. 9
         vclipped = ((new_values - values[i]).abs() > c).float()
         for key, value in (("pg", pg), ("vloss", vloss), ("logratio", logratio), ("adv", adv[i]), ("entropy", entropy),
                            ("vclipped", vclipped), ("logp", logp), ("values", new_values)):  # fmt: skip
@@ -630,8 +633,9 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             check_scalar(scalars, "losses/kl_ref", step, sum(flat_kl) / len(flat_kl), abs=1e-6)
         else:
             assert "losses/kl_ref" not in scalars
-        if a["target_kl"] is not None:  # the controller, fed the summed KL per completion of this step
-            error = min(max(sum(sum(row) for row in kls) / N / a["target_kl"] - 1, -0.2), 0.2)
+        if a["target_kl"] is not None:  # the controller, fed the summed KL (k1) per completion of this step
+            k1 = [kl_penalty(o, r, "k1").sum().item() for o, r in zip(old, ref)]
+            error = min(max(sum(k1) / N / a["target_kl"] - 1, -0.2), 0.2)
             kl_coef *= 1 + error * N / a["kl_horizon"]
     assert clipped_policy and clipped_critic, "max_grad_norm must clip some step of each model, or the clip is not tested"
     if a["target_kl"] is not None:
