@@ -199,7 +199,6 @@ def test_ppo_dump_recomputes(variant, tmp_path):
     meta, d = read_dump(dump_dir, 1)
     temperature = meta["args"]["temperature"]
     close(d["old_logp"], logprobs_of(models.TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
-    close(d["entropy"], entropy_of(models.TINY_MODEL, d, temperature, d["micro_index"]))  # before any update
 
     meta, d = read_dump(dump_dir, 2)
     close(d["old_logp"], logprobs_of(os.path.join(checkpoint, "policy"), d, temperature))
@@ -211,3 +210,12 @@ def test_ppo_dump_recomputes(variant, tmp_path):
     input_ids, attention_mask = full_ids(d)
     with torch.no_grad():
         close(d["values"], ppo.token_values(critic, input_ids, attention_mask, d["completion_mask"]))
+
+
+def test_ppo_dumped_entropy_is_the_full_softmax_entropy(tmp_path):
+    """One update in the step (one epoch, one minibatch): the dumped micro-batch is computed before any update."""
+    dump_dir = str(tmp_path / "dump")
+    ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, update_epochs=1,
+                      num_minibatches=1, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir))  # fmt: skip
+    meta, d = read_dump(dump_dir, 1)
+    close(d["entropy"], entropy_of(models.TINY_MODEL, d, meta["args"]["temperature"], d["micro_index"]))
