@@ -98,10 +98,10 @@ MAX_FLOAT, MIN_FLOAT, MAX_INT = 1e6, 1e-30, 2**31 - 1
 FLOORS = {  # flags that leave the weights as they are, or the log-probs meaningless, outside a range of their own
     "temperature": (1e-2, 1e2, "use a value in [0.01, 100]: the logits are divided by it, so a smaller one overflows "
                                "them and a larger one flattens every distribution (its gradient vanishes)"),
-    "learning_rate": (1e-10, None, "it must be at least 1e-10: AdamW moves each weight by about that much a step, "
-                                   "and a float32 weight does not move by less"),
-    "critic_learning_rate": (1e-10, None, "it must be at least 1e-10: AdamW moves each weight by about that much "
-                                          "a step, and a float32 weight does not move by less"),
+    "learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a step, and "
+                                  "a float32 weight of size w does not move by less than 6e-8 * w"),
+    "critic_learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a "
+                                         "step, and a float32 weight of size w does not move by less than 6e-8 * w"),
     "max_grad_norm": (1e-6, None, "it must be at least 1e-6: a gradient clipped smaller is lost under AdamW's "
                                   "eps (1e-8), and no weight moves"),
 }  # fmt: skip
@@ -118,8 +118,8 @@ def check_magnitude(name, value):
     if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"{flag(name)} is {value}: it must be a finite number")
     if isinstance(value, float) and abs(value) > MAX_FLOAT:
-        raise UsageError(f"{flag(name)} is {value:g}: it must be at most 1e6 in size (a larger value dwarfs every "
-                         "other term of the loss, and overflows float32 in its products)")
+        raise UsageError(f"{flag(name)} is {value:g}: it must be at most 1e6 in size (past that, products in the "
+                         "loss and its gradient overflow float32, or one term drowns all the others)")
     if isinstance(value, float) and 0 < abs(value) < MIN_FLOAT:
         raise UsageError(f"{flag(name)} is {value:g}: float32 reads it as 0; pass 0, or a value of at least 1e-30")
 

@@ -133,6 +133,11 @@ def check_step_fits(args, config, device, world_size=1):
     if need > have:
         biggest = max(parts, key=parts.get)
         where = "GPU memory" if device.type == "cuda" else "memory (RAM)"
-        raise UsageError(f"a step needs at least {need / 2**30:.3g} GiB ({biggest}: {parts[biggest] / 2**30:.3g} GiB), "
-                         f"more than the {have / 2**30:.3g} GiB of {where}: lower --prompts-per-step, the completions "
-                         "per prompt, --max-new-tokens or --micro-batch-size")
+        group = "--group-size" if hasattr(args, "group_size") else "--samples-per-prompt"
+        raise UsageError(f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "
+                         f"{gib(have)} GiB of {where}: lower --prompts-per-step, {group}, --max-new-tokens or "
+                         "--micro-batch-size")
+
+
+def gib(size):
+    return f"{size / 2**30:,.0f}" if size >= 100 * 2**30 else f"{size / 2**30:.3g}"
