@@ -263,8 +263,9 @@ DAMAGES = {
     "older version": (lambda f: edit_state(f, lambda s: s.pop("version")),
                       r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 2\)"),
     "newer version": (lambda f: edit_state(f, lambda s: s.update(version=99)), r"was written by a newer version"),
-    "written before a flag existed": (lambda f: edit_state(f, lambda s: s["args"].pop("bias_corrected_kl")),
-                                      r"was written before --bias-corrected-kl existed"),
+    "written before a flag existed, given another value": (
+        lambda f: edit_state(f, lambda s: s["args"].pop("prompts_per_step")),
+        r"was written before --prompts-per-step existed, so it ran as with --prompts-per-step 16, not 2: drop the flag"),
     "a flag since removed": (lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
                              r"was run with --old-flag, which this version does not have"),
     "not our state.pt": (lambda f: torch.save([1, 2], os.path.join(f, "state.pt")), r"state\.pt is not a checkpoint of grpo\.py or ppo\.py"),
