@@ -120,7 +120,7 @@ def check_magnitude(name, value):
     if isinstance(value, float) and abs(value) > MAX_FLOAT:
         raise UsageError(f"{flag(name)} is {value:g}: it must be at most 1e6 in size (past that, products in the "
                          "loss and its gradient overflow float32, or one term drowns all the others)")
-    if isinstance(value, float) and 0 < abs(value) < MIN_FLOAT:
+    if isinstance(value, float) and 0 < abs(value) < MIN_FLOAT and name not in FLOORS:  # those: their own floor
         raise UsageError(f"{flag(name)} is {value:g}: float32 reads it as 0; pass 0, or a value of at least 1e-30")
 
 
@@ -132,8 +132,9 @@ def check_run_args(args):
     for field in dataclasses.fields(args):
         check_magnitude(field.name, getattr(args, field.name))
     if not 0 <= args.seed <= 2**32 - dist.world_size():  # numpy's seed range, for seed + rank on every process
-        raise UsageError(f"--seed is {args.seed}: it must be in [0, {2**32 - dist.world_size()}] (each process "
-                         f"seeds with --seed + its rank, below 2**32)")
+        n = dist.world_size()
+        raise UsageError(f"--seed is {args.seed}: it must be in " + ("[0, 2**32)" if n == 1 else
+                         f"[0, {2**32 - n}] (each of the {n} processes seeds with --seed + its rank, below 2**32)"))
     if args.temperature <= 0:
         raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
     for name, (low, high, why) in FLOORS.items():

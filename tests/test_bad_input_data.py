@@ -4,6 +4,7 @@ something else (principle 7). docs/bad_input.md lists each case with its one lin
 The checks are called directly (a few seconds in all); two cases run the script as a user would.
 """
 
+import dataclasses
 import errno
 import glob
 import json
@@ -296,6 +297,7 @@ def test_an_old_checkpoint_of_ppo_is_refused_in_one_line(tmp_path):
 
 def test_data_changed_since_the_checkpoint(copy, tmp_path):
     folder, args = copy
+    args = dataclasses.replace(args, num_steps=2)  # past the checkpoint's step
     state = checkpoints.load_checkpoint(folder, "grpo", args, load_task("copy"))  # the same data: fine
     changed = load_task("copy")
     changed.train[7] = {"prompt": "123=", "answer": "124"}
@@ -337,7 +339,7 @@ def save_killed_between_renames(tmp_path, monkeypatch, keep_tmp_state=True):
 def test_a_kill_between_the_renames_resumes_from_the_newer_save(tmp_path, monkeypatch, capsys):
     folder, args = save_killed_between_renames(tmp_path, monkeypatch)
     capsys.readouterr()
-    assert checkpoints.load_checkpoint(folder, "grpo", args)["step"] == 2
+    assert checkpoints.load_checkpoint(folder, "grpo", dataclasses.replace(args, num_steps=3))["step"] == 2
     note = capsys.readouterr().err.strip()
     assert note == f"note: {folder} was missing (a save was stopped between its renames); resuming from the save in progress, step 2, moved back from {folder}.tmp"
     assert os.path.isfile(os.path.join(folder, "state.pt"))

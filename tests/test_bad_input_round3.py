@@ -88,8 +88,11 @@ def test_principle1_fuzz_covers_every_numeric_flag():
     (ppo, dict(vf_coef=1e6)), (ppo, dict(missing_eos_penalty=1e6)), (ppo, dict(kl_coef=1e6, vf_coef=1e-30)),
 ])  # fmt: skip
 def test_principle1_the_extremes_allowed_train(module, flags, tmp_path):
-    """At the edges the checks allow, a step still moves the weights and keeps them finite."""
-    module.main(small_args(module, tmp_path, **flags))
+    """At the edges the checks allow, a step still moves the weights and keeps them finite. The reward (distinct
+    characters written) differs between completions, so every step has something to learn, at any temperature."""
+    (tmp_path / "r.py").write_text("EXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(20)]\n"
+                                   "def f(p, c, a):\n    return float(len(set(c)))\n")  # fmt: skip
+    module.main(small_args(module, tmp_path, task=f"python:{tmp_path / 'r.py'}:f", **flags))
     start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in end.values())
     assert any(not torch.equal(start[k], end[k]) for k in start), f"{flags}: the weights did not move"
@@ -444,7 +447,7 @@ def test_principle6_float_spans_are_named_as_such():
 def test_principle8_seed_plus_rank_stays_below_2_to_the_32(tmp_path, monkeypatch):
     bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))  # one process: its own seed
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UsageError, match=r"--seed is 4294967295: it must be in \[0, 4294967294\] \(each process seeds"):
+    with pytest.raises(UsageError, match=r"--seed is 4294967295: it must be in \[0, 4294967294\] \(each of the 2 processes seeds"):
         bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))
 
 
