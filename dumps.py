@@ -65,8 +65,10 @@ def finite(value):
     return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
 
 
-# The second term of each loss, by the key that holds it (grpo_loss: kl_ref, ppo_loss: v_loss), with its flag.
-SECOND_TERMS = {"kl_ref": ("--beta", "the k3 KL term"), "v_loss": ("--vf-coef", "the value loss")}
+# The second term of each loss, by the key that holds it (grpo_loss: kl_ref, ppo_loss: v_loss): its flag, its name,
+# and what to change when the term itself (before its coefficient) overflows.
+SECOND_TERMS = {"kl_ref": ("--beta", "the k3 KL term", "lower --learning-rate (the policy moved far from the reference)"),
+                "v_loss": ("--vf-coef", "the value loss", "scale the reward down (the returns overflow it)")}
 
 
 def cause(what, dump, micro_terms):
@@ -88,7 +90,9 @@ def cause(what, dump, micro_terms):
     second = next(((key, *SECOND_TERMS[key]) for key in SECOND_TERMS if key in micro_terms[0]), None)
     sizes = {"the policy term -A * ratio": max(t["pg_loss"].abs().max().item() for t in micro_terms)}
     if second:  # the second term as weighted in the loss: per_token_loss - pg_loss
-        key, flag, name = second
+        key, flag, name, raw_fix = second
+        if what == "loss" and not all(finite(t[key]) for t in micro_terms):
+            return name, raw_fix
         weighted = [(t["per_token_loss"] - t["pg_loss"] * t["mask"]).abs().max().item() for t in micro_terms]
         sizes[f"{flag} times {name}"] = max(weighted)
     bad = [name for name, size in sizes.items() if not finite(size)]

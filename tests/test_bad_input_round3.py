@@ -411,6 +411,8 @@ def ppo_terms(pg, v, vf):
     ("loss", {}, grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10), r"\(--beta times the k3 KL term went"),
     ("loss", {}, ppo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10), r"\(--vf-coef times the value loss went"),
     ("loss", {}, ppo_terms(torch.full((2, 3), float("inf")), torch.ones(2, 3), 0.1), r"\(the policy term -A \* ratio"),
+    ("loss", {}, ppo_terms(torch.ones(2, 3), torch.full((2, 3), float("inf")), 0.1),
+     r"\(the value loss went non-finite\).*: scale the reward down \(the returns overflow it\)"),
     ("gradient", {}, grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e3), 1e30),
      r"\(the gradient of --beta times the k3 KL term \(up to 1e\+33 a token\) went non-finite\).*: lower --beta"),
     ("reward", {"scores": torch.ones(2), "rewards": torch.tensor([1.0, -float("inf")])}, ppo_terms(*torch.ones(2, 2, 3), 0.1),
