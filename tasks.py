@@ -21,7 +21,6 @@ files is in user_tasks.py; the order prompts are drawn in is common.PromptSample
 """
 
 import inspect
-import numbers
 import json
 import math
 import numbers
