@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
+import checkpoints
 import distributed as dist
 from common import approx_kl, clip_fraction, masked_mean
 from errors import Interrupted, UsageError
@@ -93,20 +94,53 @@ def check_range(args, rule, *names):
             raise UsageError(f"{flag(name)} is {getattr(args, name)}: it must be {rule}")
 
 
+MAX_FLOAT, MIN_FLOAT, MAX_INT = 1e6, 1e-30, 2**31 - 1
+FLOORS = {  # flags that leave the weights as they are, or the log-probs meaningless, outside a range of their own
+    "temperature": (1e-2, 1e2, "use a value in [0.01, 100]: the logits are divided by it, so a smaller one overflows "
+                               "them and a larger one flattens every distribution (its gradient vanishes)"),
+    "learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a step, and "
+                                  "a float32 weight of size w does not move by less than 6e-8 * w"),
+    "critic_learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a "
+                                         "step, and a float32 weight of size w does not move by less than 6e-8 * w"),
+    "max_grad_norm": (1e-6, None, "it must be at least 1e-6: a gradient clipped smaller is lost under AdamW's "
+                                  "eps (1e-8), and no weight moves"),
+}  # fmt: skip
+
+
+def check_magnitude(name, value):
+    """One flag's number: finite (NaN passes any check written `x <= 0`, and a run on it ends "done" with a model
+    full of NaN), at most MAX_FLOAT in size (a larger coefficient dwarfs every other term, and its products overflow
+    float32 at 3e38), 0 or at least MIN_FLOAT (float32 arithmetic reads a smaller one as 0); an int below 2**31."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, int) and abs(value) > MAX_INT and name != "seed":
+        raise UsageError(f"{flag(name)} is {value}: it must be below 2**31 (no run holds that many)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{flag(name)} is {value}: it must be a finite number")
+    if isinstance(value, float) and abs(value) > MAX_FLOAT:
+        raise UsageError(f"{flag(name)} is {value:g}: it must be at most 1e6 in size (past that, products in the "
+                         "loss and its gradient overflow float32, or one term drowns all the others)")
+    if isinstance(value, float) and 0 < abs(value) < MIN_FLOAT and name not in FLOORS:  # those: their own floor
+        raise UsageError(f"{flag(name)} is {value:g}: float32 reads it as 0; pass 0, or a value of at least 1e-30")
+
+
 def check_run_args(args):
     """The checks of the flags grpo.py and ppo.py share; each script's check_args calls it first.
 
-    Every float flag must be finite first: NaN passes any check written `x <= 0`, and a run on it ends "done"
-    with a model full of NaN.
+    Every number first passes check_magnitude; then the ranges (flags named in FLOORS have their own).
     """
     for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{flag(field.name)} is {value}: it must be a finite number")
-    if not 0 <= args.seed < 2**32:  # numpy's seed range
-        raise UsageError(f"--seed is {args.seed}: it must be in [0, 2**32)")
+        check_magnitude(field.name, getattr(args, field.name))
+    if not 0 <= args.seed <= 2**32 - dist.world_size():  # numpy's seed range, for seed + rank on every process
+        n = dist.world_size()
+        raise UsageError(f"--seed is {args.seed}: it must be in " + ("[0, 2**32)" if n == 1 else
+                         f"[0, {2**32 - n}] (each of the {n} processes seeds with --seed + its rank, below 2**32)"))
     if args.temperature <= 0:
         raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
+    for name, (low, high, why) in FLOORS.items():
+        value = getattr(args, name, None)
+        if value is not None and (0 < value < low or (high and value > high)):  # <= 0: the range rules
+            raise UsageError(f"--{name.replace('_', '-')} is {value}: {why}")
     if not 0 <= args.clip_low < 1 or args.clip_high < 0:
         raise UsageError(
             f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0"
@@ -119,6 +153,8 @@ def check_run_args(args):
             f"--learning-rate {args.learning_rate} times --weight-decay {args.weight_decay} is >= 1: every step would "
             "zero or flip the weights; lower --weight-decay"
         )
+    if args.dump_dir == "":
+        raise UsageError("--dump-dir is empty: pass a folder to dump into, or leave the flag out for no dumps")
     for name in ("eval_every", "save_every", "sample_every"):
         if getattr(args, name) < 0:
             raise UsageError(f"{flag(name)} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
@@ -131,11 +167,12 @@ def run_main(main):
     def interrupted(signum, frame):
         raise Interrupted(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
         signal.signal(sig, interrupted)
     try:
         main()
     except UsageError as e:
+        checkpoints.release_locks()
         remove_empty_run_folders()
         if not dist.is_main() and not dist.initialized():
             sys.exit(1)  # under torchrun, an error before the processes join (a flag, a launch) is every one's
@@ -202,12 +239,15 @@ def _make_run_dir(args):
         except OSError as e:
             raise UsageError(f"cannot create the run folder {folder} ({e.strerror}): pick another --output-dir") from None
         MADE_FOLDERS.append(folder)
+        checkpoints.lock_run_folder(folder)  # held while the run lives: a --resume of it meanwhile is refused
         return folder
 
 
 def remove_empty_run_folders():
     for folder in reversed(MADE_FOLDERS):
         with contextlib.suppress(OSError):
+            if os.listdir(folder) == [".lock"]:  # the run's own lock (checkpoints.lock_run_folder)
+                os.remove(os.path.join(folder, ".lock"))
             os.rmdir(folder)  # only if empty
 
 
@@ -315,6 +355,7 @@ def log_perf(writer, step, timer, total_tokens, device):
 def print_summary(script, history, seconds, device, final_dir):
     """The one-line summary: mean score over the first 5% and the last 10% of steps (the README's benchmark), the
     step where the 10-step mean score first reached 0.9, and the completion length over the last 10%."""
+    checkpoints.release_locks()  # the run is over: its folder may be resumed
     scores, lengths = history["score"], history["length"]
     n_first, n_last = max(1, len(scores) // 20), max(1, len(scores) // 10)
     first, last = sum(scores[:n_first]) / n_first, sum(scores[-n_last:]) / n_last

@@ -6,6 +6,9 @@ Under torchrun every process calls these alike: the shards are gathered and rank
 format as one process (distributed.py); a checkpoint resumes with the number of processes that wrote it.
 """
 
+import dataclasses
+import fcntl
+import json
 import os
 import random
 import shlex
@@ -66,8 +69,9 @@ def check_weights_finite(models, folder):
                              f"written ({last}): lower --learning-rate")
 
 
-def save_model(model, tokenizer, folder):
-    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model."""
+def save_model(model, tokenizer, folder, step=None):
+    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model.
+    With `step`, the step it was saved at beside it (FINAL_STEP), so a resume never overwrites a later one."""
     check_weights_finite({"model": model}, folder)
     state_dict = dist.full_state_dict(model)  # under torchrun, gathered from the shards; None: the model's own
     if dist.is_main():
@@ -76,6 +80,9 @@ def save_model(model, tokenizer, folder):
         try:
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
+            if step is not None:
+                with open(os.path.join(tmp, FINAL_STEP), "w", encoding="utf-8") as f:
+                    json.dump({"step": step}, f)
         except WRITE_ERRORS as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise write_failed(f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e) from None
@@ -218,6 +225,7 @@ def find_checkpoint(folder):
 def load_checkpoint(folder, script, args, task=None):
     """The state of a checkpoint written by `script`, after checking it fits these Args (and `task`'s training
     examples, when given): every way it can differ from what was saved is one line naming what is wrong."""
+    lock_run_folder(os.path.dirname(os.path.abspath(folder)))
     folder, state = find_checkpoint(os.path.normpath(folder))
     if state is None:
         hint = f", such as {os.path.join(folder, 'checkpoint')}" if os.path.isdir(os.path.join(folder, "checkpoint")) else ""
@@ -246,16 +254,17 @@ def load_checkpoint(folder, script, args, task=None):
             f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run"
         )
     check_files(folder, state)
+    check_later_results(folder, state["step"], args.num_steps)
     saved, given = state["args"], vars(args)
+    defaults = {field.name: field.default for field in dataclasses.fields(args)}
     for key, value in given.items():
         if key in RESUMABLE_CHANGES:
             continue
         flag = f"--{key.replace('_', '-')}"
-        if key not in saved:
-            raise UsageError(
-                f"--resume {folder!r} was written before {flag} existed: it cannot be resumed by this version; start a new run"
-            )
-        if saved[key] != value:
+        if key not in saved and value != defaults.get(key):  # at its default, the flag reproduces the older run
+            raise UsageError(f"--resume {folder!r} was written before {flag} existed, so it ran as with {flag} "
+                             f"{defaults.get(key)}, not {value}: drop the flag, or start a new run")
+        if key in saved and saved[key] != value:
             raise UsageError(
                 f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value"
             )
@@ -270,6 +279,58 @@ def load_checkpoint(folder, script, args, task=None):
             f"({len(task.train)} training examples): restore the data it was trained on, or start a new run"
         )
     return state
+
+
+FINAL_STEP = "final_step.json"  # beside a final model: the step it was saved at
+LOCKS = []  # the open lock file of this process's run folder, held until the process exits
+
+
+def lock_run_folder(run_dir):
+    """Hold an exclusive lock on the run folder (its .lock file) while this process runs: a second --resume of
+    the same checkpoint at once is refused, instead of two runs overwriting one another's checkpoints."""
+    if not dist.is_main() or not os.path.isdir(run_dir) or any(path == run_dir for path, _ in LOCKS):
+        return
+    try:
+        handle = open(os.path.join(run_dir, ".lock"), "a")
+    except OSError:
+        return  # a read-only run folder: nothing will be written into it to collide
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise UsageError(f"the run folder {run_dir} is in use by another run (its .lock is held): wait for that run "
+                         "to end, or stop it, before resuming") from None
+    LOCKS.append((run_dir, handle))
+
+
+def release_locks():
+    """The run is over (its summary printed, or stopped by a signal): another may resume its folder now."""
+    while LOCKS:
+        LOCKS.pop()[1].close()
+
+
+def final_step(folder):
+    """The step a final model folder was saved at; None if it has no record (saved by an older version)."""
+    try:
+        with open(os.path.join(folder, FINAL_STEP), encoding="utf-8") as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_later_results(folder, step, num_steps):
+    """A resume never destroys a later result: its target must lie past the checkpoint, and its run folder must
+    not hold a final model (or a PPO critic) of that target or later, which the resumed run would overwrite."""
+    if num_steps <= step:
+        raise UsageError(f"--resume {folder!r} is at step {step}, and --num-steps {num_steps} ends there or before: "
+                         f"pass --num-steps above {step} to continue it")
+    run_dir = os.path.dirname(os.path.abspath(folder))
+    for name in ("final", "critic"):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and (final_step(path) or num_steps) >= num_steps:
+            at = f"step {final_step(path)}" if final_step(path) else "an unknown step"
+            raise UsageError(f"--resume {folder!r}: {path} holds the model of {at}, which resuming to --num-steps "
+                             f"{num_steps} would overwrite: move it away first, or pass a larger --num-steps")
 
 
 def restore_state(state, optimizer, scheduler, sampler):
@@ -290,14 +351,14 @@ def restore_state(state, optimizer, scheduler, sampler):
 
 
 class StopSignal:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves a checkpoint and exits.
+    """SIGINT, SIGTERM and SIGHUP set a flag; the loop finishes its step, saves a checkpoint and exits.
     A second signal stops at once, with exit status 128 + signal, even while a step hangs in your reward function
     (the last checkpoint on disk stays intact: saves are atomic)."""
 
     def __init__(self, checkpoint_dir):
         self.signal = self.name = None  # the signal this process received; why the run stops, once decided
         self.checkpoint_dir = checkpoint_dir
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
             signal.signal(sig, self._handle)
             if dist.world_size() > 1:  # restart a collective's interrupted system call (gloo aborts on EINTR)
                 signal.siginterrupt(sig, False)
@@ -323,6 +384,7 @@ class StopSignal:
     def exit(self, step, writer, script):
         """Once the checkpoint is saved: close the logs and stop, with the command that resumes the run."""
         writer.close()
+        release_locks()
         dist.barrier()
         if not dist.is_main():
             raise SystemExit(1)

@@ -61,18 +61,63 @@ def start_dumps(args, script, run_dir):
         raise UsageError(f"cannot write to --dump-dir {dump_dir} ({e.strerror}): pick another --dump-dir") from None
 
 
-def check_finite(step, what, value, run_dir, tensors):
-    """Stop the run on a NaN or inf: dump the offending batch beside the run, keep the last good checkpoint untouched."""
-    if torch.isfinite(torch.as_tensor(value)).all():
+def finite(value):
+    return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
+
+
+# The second term of each loss, by the key that holds it (grpo_loss: kl_ref, ppo_loss: v_loss): its flag, its name,
+# and what to change when the term itself (before its coefficient) overflows.
+SECOND_TERMS = {"kl_ref": ("--beta", "the k3 KL term", "lower --learning-rate (the policy moved far from the reference)"),
+                "v_loss": ("--vf-coef", "the value loss", "scale the reward down (the returns overflow it)")}
+
+
+def cause(what, dump, micro_terms):
+    """(the term that went non-finite first, what to change) for a non-finite reward, loss or gradient, read off the
+    step's batch and its micro-batches' loss terms in the order the step computes them."""
+    rollout = [("old_logp", "the policy's log-probs", "lower --learning-rate"),
+               ("ref_logp", "the reference model's log-probs", "check the reference model's weights"),
+               ("kl_coef", "the adaptive --kl-coef", "raise --kl-horizon, so the coefficient moves more slowly"),
+               ("values", "the critic's values", "lower --critic-learning-rate"),
+               ("scores", "the score", "check the reward function or --reward-model"),
+               ("rewards", "the reward" + (" (score - --missing-eos-penalty - --kl-coef * KL)" if "scores" in dump else ""),
+                "lower --kl-coef or --missing-eos-penalty, or scale the reward down" if "scores" in dump
+                else "check the reward function or --reward-model"),
+               ("returns", "the returns (the rewards summed over tokens)", "scale the reward down"),
+               ("advantages", "the advantages", "scale the reward down")]  # fmt: skip
+    for key, name, fix in rollout:
+        if key in dump and not finite(dump[key]):
+            return name, fix
+    second = next(((key, *SECOND_TERMS[key]) for key in SECOND_TERMS if key in micro_terms[0]), None)
+    sizes = {"the policy term -A * ratio": max(t["pg_loss"].abs().max().item() for t in micro_terms)}
+    if second:  # the second term as weighted in the loss: per_token_loss - pg_loss
+        key, flag, name, raw_fix = second
+        if what == "loss" and not all(finite(t[key]) for t in micro_terms):
+            return name, raw_fix
+        weighted = [(t["per_token_loss"] - t["pg_loss"] * t["mask"]).abs().max().item() for t in micro_terms]
+        sizes[f"{flag} times {name}"] = max(weighted)
+    bad = [name for name, size in sizes.items() if not finite(size)]
+    if what == "loss" and bad:
+        fixes = {"the policy term -A * ratio": "lower --learning-rate (the ratio exp(logp - old_logp) overflowed)"}
+        return bad[0], fixes.get(bad[0], f"lower {bad[0].split()[0]}")
+    if what == "gradient":
+        largest = max(sizes, key=lambda name: sizes[name] if finite(sizes[name]) else float("inf"))
+        fix = "lower --learning-rate" if largest.startswith("the policy") else f"lower {largest.split()[0]}"
+        return f"the gradient of {largest} (up to {sizes[largest]:.3g} a token)", fix
+    return None, "lower --learning-rate or check the reward function"
+
+
+def check_finite(step, what, value, run_dir, tensors, micro_terms=None):
+    """Stop the run on a NaN or inf: dump the offending batch beside the run, keep the last good checkpoint untouched;
+    the line names the term that went non-finite first (cause)."""
+    if finite(value):
         return
     rank = f"_rank{dist.rank()}" if dist.world_size() > 1 else ""
     dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}{rank}.safetensors"), os.path.join(run_dir, "checkpoint")
     dump_batch(dump_path, tensors)
     where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
-    raise UsageError(
-        f"step {step}: the {what} is not finite; the batch is dumped to {dump_path} and {where}: "
-        "lower --learning-rate or check the reward function"
-    )
+    term, fix = cause(what, tensors, micro_terms) if micro_terms else (None, "lower --learning-rate or check the reward function")
+    raise UsageError(f"step {step}: the {what} is not finite{f' ({term} went non-finite)' if term else ''}; the "
+                     f"batch is dumped to {dump_path} and {where}: {fix}")
 
 
 def batch_dump(rollout, micro_terms, keys, **extra):
@@ -85,6 +130,6 @@ def batch_dump(rollout, micro_terms, keys, **extra):
 def stop_if_not_finite(step, run_dir, dump, reward, micro_terms, gradient):
     """Before an optimizer step: stop on a NaN or inf in the reward, a micro-batch's loss or the gradient norm,
     with `dump` (the batch) written beside the run."""
-    check_finite(step, "reward", reward, run_dir, dump)
-    check_finite(step, "loss", torch.stack([terms["loss"] for terms in micro_terms]), run_dir, dump)
-    check_finite(step, "gradient", gradient, run_dir, dump)
+    check_finite(step, "reward", reward, run_dir, dump, micro_terms)
+    check_finite(step, "loss", torch.stack([terms["loss"] for terms in micro_terms]), run_dir, dump, micro_terms)
+    check_finite(step, "gradient", gradient, run_dir, dump, micro_terms)

@@ -390,7 +390,7 @@ def main(args, flags_given=()):
             stop.exit(step, writer, "grpo")
 
     final_dir = os.path.join(run_dir, "final")
-    checkpoints.save_model(policy, tokenizer, final_dir)
+    checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
     writer.close()
     bookkeeping.print_summary("grpo", history, time.time() - start_time, device, final_dir)
     return history["score"]

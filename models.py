@@ -10,6 +10,7 @@ import sys
 import torch
 
 import gguf_convert
+import model_checks
 from errors import UsageError
 
 TINY_MODEL = "tiny"
@@ -62,7 +63,7 @@ def resolve_model_path(name, flag="--model"):
         if not os.path.isdir(folder):
             build_tiny_model(folder)
         return folder
-    if name.endswith(".gguf"):
+    if name.lower().endswith(".gguf") and not os.path.isdir(name):  # a folder named x.gguf is a folder
         return gguf_convert.gguf_folder(name, os.path.dirname(tiny_model_dir()), flag)
     if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise UsageError(
@@ -74,28 +75,16 @@ def resolve_model_path(name, flag="--model"):
 
 def check_model_names(args, fields):
     """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
-    --critic-model whose vocabulary is not the policy's (its embeddings would read other tokens, or none)."""
+    --critic-model whose vocabulary is not the policy's, and a step that cannot fit in this machine's memory."""
+    from transformers import AutoConfig
+
     for field in fields:
         if getattr(args, field) is not None:  # tiny too: built before torchrun's processes join (dist.init)
             resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
     if getattr(args, "critic_model", None) not in (None, args.model):
-        check_same_vocabulary(args.model, args.critic_model)
-
-
-def check_same_vocabulary(model, critic):
-    from transformers import AutoConfig
-
-    vocabulary = load_tokenizer(model).get_vocab()
-    path = resolve_model_path(critic)
-    has_tokenizer = not os.path.isdir(path) or any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    if has_tokenizer and load_tokenizer(critic).get_vocab() != vocabulary:
-        raise UsageError(f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
-                         "pick a critic of the same model family (same tokenizer)")
-    size = _from_pretrained(AutoConfig, path).get_text_config().vocab_size
-    if size < len(vocabulary):
-        raise UsageError(f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
-                         f"--model {model!r}'s tokenizer: pick a critic of the same model family")
+        model_checks.check_same_vocabulary(args.model, args.critic_model)
+    config = _from_pretrained(AutoConfig, resolve_model_path(args.model))
+    model_checks.check_step_fits(args, config, pick_device(), int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def _from_pretrained(loader, name, **kwargs):
@@ -178,6 +167,7 @@ def load_causal_lm(name, device, dtype=torch.float32):
     model = load_pretrained(AutoModelForCausalLM, name, device, dtype)
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): use another architecture")
+    model_checks.check_causal_and_finite(model, name)
     return model
 
 
@@ -190,6 +180,7 @@ def load_backbone(name, device):
     logging.set_verbosity_error()  # loaded from a causal LM, the load report lists the unused LM head: expected
     backbone = load_pretrained(AutoModel, name, device)
     logging.set_verbosity(verbosity)
+    model_checks.check_causal_and_finite(backbone, name, "--critic-model")
     return backbone
 
 
@@ -296,6 +287,7 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
     Each prompt is measured on its own, never padded into a batch; one of more characters than the positions
     could hold (positions times the longest token) is refused before it is tokenized: a 4 MB line costs nothing.
     """
+    model_checks.check_chat_template(tokenizer, model_name, chat_template)  # before it encodes any prompt
     limit = getattr(model.config, "max_position_embeddings", None)
     examples = task.train + task.test
     prompts = [example["prompt"] for example in examples]
@@ -336,6 +328,7 @@ def eos_token_ids(model, tokenizer):
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
+    model_checks.check_token_ids(model, tokenizer, ids, model.name_or_path)
     return ids
 
 

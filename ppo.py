@@ -494,8 +494,8 @@ def main(args, flags_given=()):
             stop.exit(step, writer, "ppo")
 
     final_dir = os.path.join(run_dir, "final")
-    checkpoints.save_model(policy, tokenizer, final_dir)
-    checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"))
+    checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
+    checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()
     bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)
     return history["score"]

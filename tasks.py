@@ -103,7 +103,12 @@ def check_dense(reward, completion, where):
             raise UsageError(f"{where}: a dense reward is a list of finite numbers (one a token) or of "
                              "(start, end, value) spans with a finite value")
         start, end = span[0], span[1]
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(completion)):
+        odd = [i for i in (start, end) if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+        if odd:
+            raise UsageError(f"{where}: span ({shorten(start)}, {shorten(end)}) must give its start and end as whole "
+                             f"numbers (character positions in the completion), not {type(odd[0]).__name__}")
+        start, end = int(start), int(end)
+        if not 0 <= start < end <= len(completion):
             raise UsageError(f"{where}: span ({shorten(start)}, {shorten(end)}) is not within the completion of "
                              f"{len(completion)} characters (need 0 <= start < end <= {len(completion)})")
     return [(int(start), int(end), finite_float(value)) for start, end, value in reward]

@@ -173,9 +173,12 @@ def python_reward_and_examples(spec):
     if not callable(reward_fn):
         raise UsageError(f"{path}: {function} is a {type(reward_fn).__name__}, not a function")
     try:
-        inspect.signature(reward_fn).bind("prompt", "completion", "answer")
+        signature = inspect.signature(reward_fn)
+        dense = {"tokens": ["3"]} if "tokens" in signature.parameters else {}  # a per-token reward's fourth argument
+        signature.bind("prompt", "completion", "answer", **dense)
     except TypeError:
-        raise UsageError(f"{path}: {function} must take three arguments: (prompt, completion, answer)") from None
+        raise UsageError(f"{path}: {function} must take (prompt, completion, answer), and `tokens` as a fourth "
+                         "for a per-token reward: def reward(prompt, completion, answer, tokens)") from None
     except ValueError:  # some builtins have no signature to check; Task.score will catch a bad call
         pass
     if data:

@@ -4,6 +4,7 @@ something else (principle 7). docs/bad_input.md lists each case with its one lin
 The checks are called directly (a few seconds in all); two cases run the script as a user would.
 """
 
+import dataclasses
 import errno
 import glob
 import json
@@ -263,8 +264,9 @@ DAMAGES = {
     "older version": (lambda f: edit_state(f, lambda s: s.pop("version")),
                       r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 2\)"),
     "newer version": (lambda f: edit_state(f, lambda s: s.update(version=99)), r"was written by a newer version"),
-    "written before a flag existed": (lambda f: edit_state(f, lambda s: s["args"].pop("bias_corrected_kl")),
-                                      r"was written before --bias-corrected-kl existed"),
+    "written before a flag existed, given another value": (
+        lambda f: edit_state(f, lambda s: s["args"].pop("prompts_per_step")),
+        r"was written before --prompts-per-step existed, so it ran as with --prompts-per-step 16, not 2: drop the flag"),
     "a flag since removed": (lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
                              r"was run with --old-flag, which this version does not have"),
     "not our state.pt": (lambda f: torch.save([1, 2], os.path.join(f, "state.pt")), r"state\.pt is not a checkpoint of grpo\.py or ppo\.py"),
@@ -295,6 +297,7 @@ def test_an_old_checkpoint_of_ppo_is_refused_in_one_line(tmp_path):
 
 def test_data_changed_since_the_checkpoint(copy, tmp_path):
     folder, args = copy
+    args = dataclasses.replace(args, num_steps=2)  # past the checkpoint's step
     state = checkpoints.load_checkpoint(folder, "grpo", args, load_task("copy"))  # the same data: fine
     changed = load_task("copy")
     changed.train[7] = {"prompt": "123=", "answer": "124"}
@@ -336,7 +339,7 @@ def save_killed_between_renames(tmp_path, monkeypatch, keep_tmp_state=True):
 def test_a_kill_between_the_renames_resumes_from_the_newer_save(tmp_path, monkeypatch, capsys):
     folder, args = save_killed_between_renames(tmp_path, monkeypatch)
     capsys.readouterr()
-    assert checkpoints.load_checkpoint(folder, "grpo", args)["step"] == 2
+    assert checkpoints.load_checkpoint(folder, "grpo", dataclasses.replace(args, num_steps=3))["step"] == 2
     note = capsys.readouterr().err.strip()
     assert note == f"note: {folder} was missing (a save was stopped between its renames); resuming from the save in progress, step 2, moved back from {folder}.tmp"
     assert os.path.isfile(os.path.join(folder, "state.pt"))

@@ -44,7 +44,8 @@ def wait_for(predicate, what, process, timeout=120):
 @pytest.mark.parametrize(
     "script, sig",
     [pytest.param("grpo", signal.SIGINT, id="grpo-SIGINT"), pytest.param("ppo", signal.SIGTERM, id="ppo-SIGTERM"),
-     pytest.param("grpo", signal.SIGTERM, id="grpo-SIGTERM", marks=pytest.mark.slow)],  # one handler: the third adds little
+     pytest.param("grpo", signal.SIGTERM, id="grpo-SIGTERM", marks=pytest.mark.slow),  # one handler: the third adds little
+     pytest.param("grpo", signal.SIGHUP, id="grpo-SIGHUP")],  # a closed terminal or ssh session
 )  # fmt: skip
 def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cache):
     output_dir, log_path = tmp_path / "runs", tmp_path / "stderr.txt"

@@ -471,7 +471,7 @@ def test_python_reward_returning_a_non_number(reward_file, function, shown):
 @pytest.mark.parametrize(
     "spec, message",
     [("{file}:missing", r"has no 'missing'; its functions are: exact, length_reward, nan, raises, text, two_args"),
-     ("{file}:NOT_A_FUNCTION", "is a int, not a function"), ("{file}:two_args", "must take three arguments"),
+     ("{file}:NOT_A_FUNCTION", "is a int, not a function"), ("{file}:two_args", r"must take \(prompt, completion, answer\)"),
      ("{dir}/nope.py:f", "there is no file"), ("{file}", "write python:FILE.py:FUNCTION"),
      ("{dir}/data.txt:f", "write python:FILE.py:FUNCTION")],
 )  # fmt: skip

@@ -1,0 +1,214 @@
+"""Bad input, third round (docs/bad_input.md, "Round three", one section a principle), principles 1 to 3: absurd
+finite numbers, impossible sizes, untrainable models. Principles 4 to 8: test_bad_input_round3_more.py.
+"""
+
+import dataclasses
+import glob
+import os
+import time
+import typing
+
+import pytest
+import torch
+
+import grpo
+import model_checks
+import models
+import ppo
+from errors import UsageError
+
+SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
+
+
+def small_args(module, tmp_path, **overrides):
+    return module.Args(**{**dict(num_steps=1, max_new_tokens=3, sample_every=0, output_dir=os.path.join(tmp_path, "runs")),
+                          **SMALL[module], **overrides})  # fmt: skip
+
+
+def numeric_flags(module):
+    hints = typing.get_type_hints(module.Args)
+    kinds = {f.name: {hints[f.name], *typing.get_args(hints[f.name])} for f in dataclasses.fields(module.Args)}
+    return [(name, float if float in kind else int) for name, kind in kinds.items() if {int, float} & kind]
+
+
+def final_weights(tmp_path):
+    (final,) = glob.glob(str(tmp_path / "runs" / "*" / "final"))
+    return models.load_causal_lm(final, models.CPU).state_dict()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Principle 1: "done" means the run did what was asked.
+# ---------------------------------------------------------------------------------------------------
+
+EXTREMES = {float: ("1e-300", "1e308", "-1e308", str(2**63)), int: (str(2**63), str(-(2**63)))}
+FUZZ = [(m, name, v) for m in (grpo, ppo) for name, kind in numeric_flags(m) for v in EXTREMES[kind]]
+
+
+@pytest.mark.parametrize("module, name, value", FUZZ, ids=[f"{m.__name__} {n}={v}" for m, n, v in FUZZ])
+def test_principle1_fuzz_every_numeric_flag_with_finite_extremes(module, name, value, tmp_path, monkeypatch):
+    """Each numeric flag of both scripts at 1e-300, 1e308, -1e308 and 2**63 (ints: +-2**63), as typed: one line,
+    raised before any model loads, or a run whose saved model is finite and moved from its start."""
+    import tyro
+
+    args = tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", value], default=small_args(module, tmp_path))
+    loads = []
+    real_load = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    try:
+        module.main(args)
+    except UsageError as e:
+        assert "\n" not in str(e) and not loads and name.replace("_", "-") in str(e), (str(e), loads)
+        return
+    start, end = real_load(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
+    assert all(torch.isfinite(w).all() for w in end.values())
+    assert any(not torch.equal(start[k], end[k]) for k in start), "done, but the weights did not move"
+
+
+def test_principle1_fuzz_covers_every_numeric_flag():
+    names = {name for module in (grpo, ppo) for name, _ in numeric_flags(module)}
+    assert {"seed", "num_steps", "prompts_per_step", "group_size", "samples_per_prompt", "kl_horizon", "temperature",
+            "max_grad_norm", "target_kl", "eval_every", "warmup_steps"} <= names  # fmt: skip
+    assert len(FUZZ) >= 100
+
+
+@pytest.mark.parametrize("module, flags", [
+    (grpo, dict(temperature=100.0)), (grpo, dict(learning_rate=1e-8)), (grpo, dict(max_grad_norm=1e-6)),
+    (grpo, dict(beta=1e6)), (grpo, dict(clip_high=1e6, weight_decay=1e-30)),
+    (ppo, dict(vf_coef=1e6)), (ppo, dict(missing_eos_penalty=1e6)), (ppo, dict(kl_coef=1e6, vf_coef=1e-30)),
+])  # fmt: skip
+def test_principle1_the_extremes_allowed_train(module, flags, tmp_path):
+    """At the edges the checks allow, a step still moves the weights and keeps them finite. The reward (distinct
+    characters written) differs between completions, so every step has something to learn, at any temperature."""
+    (tmp_path / "r.py").write_text("EXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(20)]\n"
+                                   "def f(p, c, a):\n    return float(len(set(c)))\n")  # fmt: skip
+    module.main(small_args(module, tmp_path, task=f"python:{tmp_path / 'r.py'}:f", **flags))
+    start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
+    assert all(torch.isfinite(w).all() for w in end.values())
+    assert any(not torch.equal(start[k], end[k]) for k in start), f"{flags}: the weights did not move"
+
+
+@pytest.mark.parametrize("module, flags, expected", [
+    (grpo, dict(temperature=1e-3), r"--temperature is 0\.001: use a value in \[0\.01, 100\]"),
+    (grpo, dict(temperature=1e3), r"--temperature is 1000\.0: use a value in \[0\.01, 100\]"),
+    (grpo, dict(max_grad_norm=1e-7), r"--max-grad-norm is 1e-07: it must be at least 1e-6"),
+    (grpo, dict(learning_rate=1e-9), r"--learning-rate is 1e-09: it must be at least 1e-8"),
+    (ppo, dict(critic_learning_rate=1e-9), r"--critic-learning-rate is 1e-09: it must be at least 1e-8"),
+    (grpo, dict(beta=1e-300), r"--beta is 1e-300: float32 reads it as 0; pass 0, or a value of at least 1e-30"),
+    (ppo, dict(kl_coef=1e39), r"--kl-coef is 1e\+39: it must be at most 1e6 in size"),
+    (grpo, dict(dump_dir=""), r"--dump-dir is empty: pass a folder to dump into, or leave the flag out"),
+])  # fmt: skip
+def test_principle1_lines(module, flags, expected, tmp_path):
+    with pytest.raises(UsageError, match=expected):
+        module.check_args(small_args(module, tmp_path, **flags))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Principle 2: impossible sizes are refused before anything is allocated.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, flags, biggest", [
+    (grpo, dict(prompts_per_step=10**9), "the generation's KV cache"),
+    (grpo, dict(group_size=10**8), "the generation's KV cache"),
+    (ppo, dict(prompts_per_step=10**9), "the generation's KV cache"),
+    (ppo, dict(samples_per_prompt=10**8, num_minibatches=1, micro_batch_size=10**8), "the generation's KV cache"),
+    (grpo, dict(max_new_tokens=10**9), "the generation's KV cache"),
+])  # fmt: skip
+def test_principle2_impossible_sizes_are_refused_with_the_numbers(module, flags, biggest, tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    started = time.monotonic()
+    with pytest.raises(UsageError, match=rf"a step needs at least [\d,.e+]+ GiB \({biggest}: [\d,.e+]+ GiB\), more "
+                                         r"than the [\d,.]+ GiB of memory \(RAM\): lower --prompts-per-step"):
+        module.main(small_args(module, tmp_path, **flags))
+    assert time.monotonic() - started < 30  # refused from the flags and the config, nothing sampled
+
+
+def test_principle2_step_bytes_counts_by_hand():
+    """step_bytes against the count written out for a 2-layer model (vocab 10, hidden 8, 2 heads, MLP 16)."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    args = grpo.Args(prompts_per_step=3, group_size=2, max_new_tokens=4, micro_batch_size=4, beta=0.1)
+    need, parts = model_checks.step_bytes(args, config)
+    params = 10 * 8 + 2 * (4 * 64 + 3 * 8 * 16)
+    assert parts["weights and optimizer state"] == params * (16 + 4)  # policy with AdamW, and the reference
+    assert parts["the generation's KV cache"] == 6 * 5 * 2 * 2 * 4 * 4  # rows, positions, layers, k and v, kv dim
+    assert parts["the generation's logits"] == 6 * 10 * 4
+    assert parts["a micro-batch's logits"] == 4 * 4 * 10 * 4 * 3
+    assert need == sum(parts.values())
+
+
+def test_principle2_the_defaults_fit():
+    for module in (grpo, ppo):
+        config = models._from_pretrained(__import__("transformers").AutoConfig, models.resolve_model_path("tiny"))
+        model_checks.check_step_fits(module.Args(), config, models.CPU)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Principle 3: only a model that can be trained correctly is trained.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_parts():
+    return models.load_causal_lm(models.TINY_MODEL, models.CPU), models.load_tokenizer(models.TINY_MODEL)
+
+
+def save_bert(folder, head):
+    from transformers import BertConfig, BertLMHeadModel, BertModel
+
+    config = BertConfig(vocab_size=25, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    (BertLMHeadModel if head else BertModel)(config).save_pretrained(folder)
+    models.load_tokenizer(models.TINY_MODEL).save_pretrained(folder)
+    return str(folder)
+
+
+def test_principle3_a_bert_lm_head_and_a_bert_critic_are_refused(tmp_path):
+    with pytest.raises(UsageError, match=r"\(BertLMHeadModel\) is not causal: a later token changes the output"):
+        models.load_causal_lm(save_bert(tmp_path / "lm", head=True), models.CPU)
+    with pytest.raises(UsageError, match=r"--critic-model '.*critic' \(BertModel\) is not causal"):
+        ppo.main(small_args(ppo, tmp_path, critic_model=save_bert(tmp_path / "critic", head=False)))
+
+
+def test_principle3_the_causal_probe_is_one_forward(tiny_parts, monkeypatch):
+    model = tiny_parts[0]
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    monkeypatch.setattr(model_checks, "CHECKED", set())
+    model_checks.check_causal_and_finite(model, "x")
+    model_checks.check_causal_and_finite(model, "x")  # once a model
+    assert calls == [1]
+
+
+def test_principle3_nan_weights_are_named(tiny_parts, tmp_path):
+    model, tokenizer = tiny_parts
+    with torch.no_grad():
+        model.model.layers[2].mlp.up_proj.weight[3, 4] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    tokenizer.save_pretrained(tmp_path / "nan")
+    with pytest.raises(UsageError, match=r"its weight model\.layers\.2\.mlp\.up_proj\.weight holds NaN or inf"):
+        models.load_causal_lm(str(tmp_path / "nan"), models.CPU)
+
+
+def test_principle3_token_ids_outside_the_embeddings(tiny_parts):
+    model, tokenizer = tiny_parts
+    tokenizer.add_tokens([f"extra{i}" for i in range(5)])
+    with pytest.raises(UsageError, match=r"has 30 tokens, but its model embeds only 25"):
+        models.eos_token_ids(model, tokenizer)
+    model.generation_config.eos_token_id = 99
+    with pytest.raises(UsageError, match=r"the EOS id 99 of .* is outside its 25 embeddings"):
+        models.eos_token_ids(model, models.load_tokenizer(models.TINY_MODEL))
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("{{ raise_exception('no system prompt') }}", r"the chat template of 't' raised \w+ \(no system prompt\) on a"),
+    ("=", r"the chat template of 't' drops the message: 'Probe 7 \+ 5 = \?' renders as '='"),
+    ("{{ messages[0]['contnet'] }}", r"the chat template of 't' drops the message"),
+])  # fmt: skip
+def test_principle3_a_chat_template_that_raises_or_drops_the_message(tiny_parts, template, expected):
+    tokenizer = tiny_parts[1]
+    tokenizer.chat_template = template
+    with pytest.raises(UsageError, match=expected):
+        model_checks.check_chat_template(tokenizer, "t", chat_template=True)
+    model_checks.check_chat_template(tokenizer, "t", chat_template=False)  # --no-chat-template: not used
