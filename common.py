@@ -14,6 +14,7 @@ import random
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import models
 from errors import UsageError, shorten
 
 
@@ -46,10 +47,10 @@ class PromptSampler:
 
 
 def encode_prompts(tokenizer, prompts, chat_template=True):
-    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one."""
+    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one (with the
+    system prompt given to models.load_tokenizer)."""
     if chat_template and tokenizer.chat_template:
-        messages = [[{"role": "user", "content": p}] for p in prompts]
-        texts = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        texts = models.chat_texts(tokenizer, prompts)
         return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
