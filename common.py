@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import models
+import prompt_cache
 from errors import UsageError, shorten
 
 
@@ -104,7 +105,10 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
         with generation_mode(model):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
+            cache = prompt_cache.shared_prompt_cache(model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1])
+            shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **shared)
     finally:
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -245,7 +249,13 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     """
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
+    cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+    if cache is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    else:  # the rows' own tokens: the last prompt token and the completion
+        out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
+                    use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))
