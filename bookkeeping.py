@@ -36,10 +36,13 @@ class RunArgs:
 
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    system_prompt: Optional[str] = None
+    """the chat template's system prompt ("" for an empty one); by default the template's own, if it has one"""
     reward_model: Optional[str] = None
     """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on GPU, float32 on CPU)"""
+    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 where the GPU or CPU
+    computes it natively, else float32; printed at start with the reason, see precision.py)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False

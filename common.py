@@ -14,6 +14,8 @@ import random
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import models
+import prompt_cache
 from errors import UsageError, shorten
 
 
@@ -46,10 +48,10 @@ class PromptSampler:
 
 
 def encode_prompts(tokenizer, prompts, chat_template=True):
-    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one."""
+    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one (with the
+    system prompt given to models.load_tokenizer)."""
     if chat_template and tokenizer.chat_template:
-        messages = [[{"role": "user", "content": p}] for p in prompts]
-        texts = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        texts = models.chat_texts(tokenizer, prompts)
         return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
@@ -103,7 +105,10 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
         with generation_mode(model):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
+            cache = prompt_cache.shared_prompt_cache(model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1])
+            shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **shared)
     finally:
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -295,7 +300,13 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     """
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
+    cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+    if cache is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    else:  # the rows' own tokens: the last prompt token and the completion
+        out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
+                    use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))

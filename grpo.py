@@ -40,6 +40,7 @@ import common
 import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import dumps
 import models
+import precision
 from errors import UsageError
 from tasks import load_task
 
@@ -273,8 +274,8 @@ def main(args, flags_given=()):
     check_args(args)
     models.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
-    device = dist.init(models.pick_device())  # under torchrun: join the other processes, one device each
-    dtype = models.resolve_dtype(args.dtype, device)
+    device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
+    dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     state = checkpoints.load_checkpoint(args.resume, "grpo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
     dumps.start_dumps(args, "grpo", run_dir)
@@ -282,7 +283,7 @@ def main(args, flags_given=()):
 
     bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
     start_time = time.time()
-    tokenizer = models.load_tokenizer(args.model)
+    tokenizer = models.load_tokenizer(args.model, args.system_prompt)
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
     if args.gradient_checkpointing:
         common.set_activation_checkpointing(policy, True)

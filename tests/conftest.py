@@ -30,6 +30,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def float32_on_every_cpu():
+    """--dtype auto answers float32 on every CPU here, so what a test computes does not depend on the CPU's
+    instruction set (AVX-512 BF16 or not); tests of bfloat16 ask for it, tests of auto's choice call choose_dtype."""
+    import precision
+
+    with pytest.MonkeyPatch.context() as patch:
+        real = precision.native_bf16
+        pinned = lambda device: None if device.type == "cpu" else real(device)  # noqa: E731
+        pinned.__wrapped__ = real  # for the tests of the probe itself
+        patch.setattr(precision, "native_bf16", pinned)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     import models

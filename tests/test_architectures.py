@@ -148,6 +148,25 @@ def test_logprobs_match_each_row_alone(arch):
 
 
 @torch.no_grad()
+def test_a_prompt_shared_by_a_group_matches_each_row_alone(arch):
+    """GRPO's layout, each prompt twice with another completion: the prompt computed once (prompt_cache.py, where
+    the architecture's cache allows it) gives what each row fed alone gives."""
+    import prompt_cache
+
+    name, model, _ = arch
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    rows = torch.tensor([0, 0, 1, 1, 2, 2])
+    input_ids, attention_mask, completion_mask = input_ids[rows], attention_mask[rows], completion_mask[rows]
+    input_ids[1::2, -5:] = input_ids[1::2, -5:].flip(1) * completion_mask[1::2]  # the second of each pair its own
+    logp = common.token_logprobs(model, input_ids, attention_mask, completion_mask, TEMPERATURE)
+    alone = row_by_row(lambda ids: model(ids).logits, input_ids, attention_mask, completion_mask)
+    torch.testing.assert_close(logp, next_token_logprobs(alone, input_ids, completion_mask)[0], **CLOSE)
+    positions = common.position_ids_from_mask(attention_mask)
+    shared = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, positions, 4)
+    assert (shared is None) == (name == "falcon-h1")  # its Mamba layers' state is no plain cache: the plain forward
+
+
+@torch.no_grad()
 def test_positions_must_be_passed():
     """Guards the docstring's claim: without position_ids, GPT-2's left-padded rows come out wrong."""
     model = build("gpt2")

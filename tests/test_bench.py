@@ -55,3 +55,30 @@ def test_bench_small_shape_on_cpu(tmp_path):
         rollout, train = (float(c.replace(",", "")) for c in cells[4:6])
         assert rollout > 0 and train > 0 and cells[6] == "-" and float(cells[7]) > 0
     assert re.search(r"1 timed step\(s\) after 1 warm-up", result.stdout)
+
+
+def load_step_speed():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import step_speed
+    finally:
+        sys.path.pop(0)
+    return step_speed
+
+
+def test_step_speed_counts_each_phases_matmuls_and_sharing_the_prompt_cuts_them():
+    """benchmarks/step_speed.py on the tiny model: FlopCounterMode counts each phase; the update (forward and
+    backward) costs about 3 forwards of the reference; computing each group's prompt once counts fewer FLOPs in
+    every phase, on the same completions; the timed passes give a time to every phase."""
+    import models
+
+    step_speed = load_step_speed()
+    settings = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, temperature=0.7, micro_batch_size=8, beta=0.04)
+    results = step_speed.phase_table(models.resolve_model_path(models.TINY_MODEL), "copy", settings, repeats=1)
+    shared, per_row = results["float32"], results["float32, per row"]
+    for r in (shared, per_row):
+        assert 2.5 < r["flops"]["update"] / r["flops"]["reference"] < 3.1, r["flops"]
+        assert all(len(run["seconds"]) == 3 and min(run["cpu"].values()) > 0 for run in r["runs"])
+    assert shared["score"] == per_row["score"] and shared["completion_tokens"] == per_row["completion_tokens"]
+    for phase in ("rollout", "reference", "update"):
+        assert 0 < shared["flops"][phase] < per_row["flops"][phase], phase

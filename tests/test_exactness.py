@@ -14,6 +14,7 @@ import errors
 import grpo
 import models
 import ppo
+import precision
 import rewards
 from test_reproducibility import logged_scalars, only_run_dir
 
@@ -93,7 +94,7 @@ def test_the_reward_sees_every_token_but_the_first_eos_and_after(tiny_tokenizer)
 
 def test_float16_is_refused_in_one_line():
     with pytest.raises(errors.UsageError, match="float16 would need loss scaling.*bfloat16"):
-        models.resolve_dtype("float16", CPU)
+        precision.resolve_dtype("float16", CPU)
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])

@@ -64,6 +64,56 @@ def test_token_logprobs_match_full_softmax(small_model, temperature):
     assert (logp[completion_mask == 0] == 0).all() and (entropy[completion_mask == 0] == 0).all()
 
 
+def grouped_batch():
+    """Two groups of three completions each sharing a prompt (the second left-padded), as GRPO lays out a batch."""
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+    g = torch.Generator().manual_seed(2)
+    input_ids, attention_mask = input_ids[rows].clone(), attention_mask[rows].clone()
+    input_ids[:, 4:] = torch.randint(2, 32, (6, 5), generator=g)  # each completion its own
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]] * 2)
+    attention_mask[:, 4:] = completion_mask
+    return input_ids, attention_mask, completion_mask
+
+
+def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model):
+    """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients."""
+    import prompt_cache
+
+    input_ids, attention_mask, completion_mask = grouped_batch()
+    first, run = prompt_cache.prompt_runs(input_ids[:, :4], attention_mask[:, :4])
+    assert first.tolist() == [0, 3] and run.tolist() == [0, 0, 0, 1, 1, 1]  # so the shared path runs below
+    positions = common.position_ids_from_mask(attention_mask)
+    assert prompt_cache.shared_prompt_cache(small_model, input_ids, attention_mask, positions, 4).get_seq_length() == 3
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(1))
+    params = list(small_model.parameters())
+    logp = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)
+    grads = torch.autograd.grad((logp * weights).sum(), params)
+    expected = plain_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)[0]
+    expected_grads = torch.autograd.grad((expected * weights).sum(), params)
+    torch.testing.assert_close(logp.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for g, eg in zip(grads, expected_grads):
+        assert_grad_close(g, eg)
+
+
+def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer, monkeypatch):
+    """generate() continuing from each group's shared prompt cache draws the same tokens as from 12 prompts."""
+    import prompt_cache
+
+    prompts = [p for p in ("12+7=", "3=", "456+1=") for _ in range(4)]
+    ids, mask = common.encode_prompts(tiny_tokenizer, prompts).values()
+    assert prompt_cache.shared_prompt_cache(tiny_model, ids, mask, common.position_ids_from_mask(mask), ids.shape[1]) is not None
+    torch.manual_seed(0)
+    shared = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
+    every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))  # noqa: E731
+    monkeypatch.setattr(prompt_cache, "prompt_runs", every_row)  # no two rows share: the plain path
+    torch.manual_seed(0)
+    plain = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
+    for a, b in zip(shared, plain):
+        assert torch.equal(a, b)
+    assert len({tuple(row) for row in shared[2].tolist()}) > 3  # sampled, not all alike
+
+
 def test_temperature_changes_the_logprobs(small_model):
     """Guards the test above: with this model the temperature matters far beyond its tolerance."""
     input_ids, attention_mask, completion_mask = ragged_batch()

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import string
+import sys
 
 import pytest
 import torch
@@ -18,10 +19,12 @@ from transformers import (
     BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
 )  # fmt: skip
 
+import bookkeeping
 import common
 import grpo
 import models
 import ppo
+import precision
 from errors import UsageError
 
 CPU = torch.device("cpu")
@@ -165,12 +168,12 @@ def test_encode_prompts_applies_the_chat_template_or_not(lm):
     assert raw["input_ids"][0][raw["attention_mask"][0].bool()].tolist() == tokenizer(prompts[0])["input_ids"]
 
 
-@pytest.mark.parametrize("chat_template", [True, False])
-def test_grpo_feeds_the_template_to_the_model(qwen2_dir, jsonl_task, tmp_path, chat_template):
+@pytest.mark.parametrize("chat_template, system_prompt", [(True, None), (False, None), (True, "Be brief."), (True, "")])
+def test_grpo_feeds_the_template_to_the_model(qwen2_dir, jsonl_task, tmp_path, chat_template, system_prompt):
     args = grpo.Args(
         model=qwen2_dir, task=jsonl_task, num_steps=1, max_new_tokens=4, prompts_per_step=2, group_size=2,
         micro_batch_size=4, sample_every=0, chat_template=chat_template, output_dir=str(tmp_path / "runs"),
-        dump_dir=str(tmp_path / "dump"),
+        dump_dir=str(tmp_path / "dump"), system_prompt=system_prompt,
     )  # fmt: skip
     grpo.main(args)
     from safetensors.torch import load_file
@@ -178,10 +181,32 @@ def test_grpo_feeds_the_template_to_the_model(qwen2_dir, jsonl_task, tmp_path, c
     batch = load_file(str(tmp_path / "dump" / "step000001.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(qwen2_dir)
     text = tokenizer.decode(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()])
+    system = "" if system_prompt is None else f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
     if chat_template:
-        assert text.startswith("<|im_start|>user\nWhat is ") and text.endswith("?<|im_end|>\n<|im_start|>assistant\n")
+        assert text.startswith(f"{system}<|im_start|>user\nWhat is ") and text.endswith("?<|im_end|>\n<|im_start|>assistant\n")
     else:
         assert text.startswith("What is ") and text.endswith("?") and "<|im_start|>" not in text
+
+
+def test_a_system_prompt_is_counted_and_one_the_template_refuses_is_named(tmp_path):
+    """The prompt-length check counts the system turn as generation writes it; a template that takes no system
+    turn (Gemma's raises) is refused in one line naming the flag."""
+    tokenizer = byte_tokenizer()
+    plain = models.token_counts(tokenizer, ["What is 1 plus 2?"], chat_template=True)[0]
+    tokenizer.system_prompt = "Be brief."
+    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], True)[0] == plain + len(tokenizer("<|im_start|>system\nBe brief.<|im_end|>\n")["input_ids"])
+    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], False)[0] == len(tokenizer("What is 1 plus 2?")["input_ids"])
+    tokenizer.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}x"
+    with pytest.raises(UsageError, match=r"takes no system prompt \(TemplateError: System role not supported\): drop --system-prompt"):
+        common.encode_prompts(tokenizer, ["What is 1 plus 2?"])
+    tokenizer.system_prompt = None
+    assert common.encode_prompts(tokenizer, ["What is 1 plus 2?"])["input_ids"].tolist() == [tokenizer("x")["input_ids"]]
+
+
+def test_system_prompt_flag_parses_empty_and_text(monkeypatch):
+    for argv, expected in [([], None), (["--system-prompt", ""], ""), (["--system-prompt", "Be brief."], "Be brief.")]:
+        monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+        assert bookkeeping.parse_args(grpo.Args, grpo.HUB_DEFAULTS)[0].system_prompt == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,9 +418,7 @@ def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
 def test_float16_is_refused_before_anything_loads(qwen2_dir, tmp_path):
     """float16 without loss scaling lets small gradients underflow to 0: refused in one line, bfloat16 suggested."""
     with pytest.raises(UsageError, match="--dtype float16 would need loss scaling.*use --dtype bfloat16"):
-        models.resolve_dtype("float16", CPU)
-    assert models.resolve_dtype("auto", CPU) == torch.float32 and models.resolve_dtype("bfloat16", CPU) == torch.bfloat16
-    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+        precision.resolve_dtype("float16", CPU)
     args = grpo.Args(model=qwen2_dir, dtype="float16", num_steps=1, output_dir=str(tmp_path))
     with pytest.raises(UsageError, match="float16"):
         grpo.main(args)

@@ -231,3 +231,23 @@ def test_the_critic_has_no_dropout():
         trained = [critic.train()(input_ids, attention_mask) for _ in range(2)]
         evaluated = critic.eval()(input_ids, attention_mask)
     assert torch.equal(trained[0], trained[1]) and torch.equal(trained[0], evaluated)
+
+
+def test_sharing_each_groups_prompt_changes_no_score(tmp_path, monkeypatch):
+    """Each group's prompt computed once (prompt_cache.py, in generation and every forward) against every row's
+    computed alone: same seed, float32, the same completions and scores at every step; the losses agree to float32
+    rounding (the matmuls add in another order)."""
+    import prompt_cache
+
+    runs = {}
+    for name in ("shared", "plain"):
+        if name == "plain":
+            monkeypatch.setattr(prompt_cache, "prompt_runs", lambda ids, mask: (torch.arange(len(ids)),) * 2)
+        grpo.main(quick_args("grpo", tmp_path / name, num_steps=4, group_size=4, dtype="float32"))
+        runs[name] = logged_scalars(only_run_dir(tmp_path / name))
+    shared, plain = runs["shared"], runs["plain"]
+    assert [s for s, _ in shared["charts/score"]] == [1, 2, 3, 4]
+    for tag in ("charts/score", "charts/completion_length", "charts/reward_std"):
+        assert shared[tag] == plain[tag], tag
+    for tag in ("losses/policy_loss", "losses/kl_ref", "losses/entropy", "losses/grad_norm"):
+        assert [v for _, v in shared[tag]] == pytest.approx([v for _, v in plain[tag]], rel=1e-4, abs=1e-6), tag

@@ -1,0 +1,65 @@
+"""The device of a run, and the precision of its forward passes (--dtype): what `auto` picks here, and why.
+
+The trained weights stay float32 in every case (the master copy, see common.autocast); --dtype only sets the
+dtype the forward passes autocast to. bfloat16 halves the bytes a matmul moves and, where the hardware multiplies
+bf16 natively, doubles its throughput: on a CPU with AVX-512 BF16 a step of SmolLM2-135M takes ~0.6x the float32
+time. Where bf16 is emulated it is slower than float32, so `auto` asks the hardware first.
+"""
+
+import torch
+
+import distributed as dist
+from errors import UsageError
+from models import TINY_MODEL
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def native_bf16(device):
+    """The bf16 matmul this device runs natively, named (truthy), or None: on CUDA, whether the GPU has bf16
+    (Ampere on) without emulation; on a CPU, AMX or AVX-512 BF16 as torch's own CPU probe reports them, and only
+    with oneDNN, which is what runs bf16 matmuls on a CPU."""
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX-512 BF16"
+    return None
+
+
+def choose_dtype(name, device_type, native, model_name):
+    """(dtype, reason) for --dtype `name` on a `device_type` device whose native bf16 is `native` (native_bf16).
+
+    auto: bfloat16 where the device multiplies it natively, float32 elsewhere; on a CPU, float32 for the built-in
+    tiny model: its step is Python overhead, not matmuls (bf16 gains it ~10%), and its documented results are float32.
+    float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
+    """
+    if name == "float16":
+        raise UsageError("--dtype float16 would need loss scaling, which this project does not do: "
+                         "use --dtype bfloat16 or float32")
+    if name != "auto":
+        return DTYPES[name], f"--dtype {name}"
+    if native and device_type == "cuda":
+        return torch.bfloat16, "auto: this GPU computes bfloat16"
+    if device_type == "cpu" and model_name == TINY_MODEL:
+        return torch.float32, "auto: the built-in tiny model runs in float32 on a CPU (its step is not matmuls)"
+    if native and device_type == "cpu":
+        return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({native}); --dtype float32 turns it off"
+    if device_type == "cpu":
+        return torch.float32, "auto: this CPU has neither AVX-512 BF16 nor AMX: bfloat16 would be emulated, slower"
+    return torch.float32, f"auto: this {device_type} device has no native bfloat16"
+
+
+def resolve_dtype(name, device, model_name=None):
+    """The autocast dtype of a run on `device`, printed at start with the reason (by the main process)."""
+    dtype, reason = choose_dtype(name, device.type, native_bf16(device), model_name)
+    if dist.is_main():
+        print(f"dtype: {str(dtype).removeprefix('torch.')} ({reason})")
+    return dtype
