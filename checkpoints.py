@@ -22,7 +22,10 @@ from errors import UsageError
 
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
-RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir"}
+RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir",
+                     "lora_merged"}
+# Flags added after checkpoints were written, with the value those runs had: such a checkpoint resumes with them.
+LATER_FLAGS = {"lora_rank": 0, "lora_alpha": 32.0, "lora_dropout": 0.0, "lora_target_modules": ("all-linear",)}
 # Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
 # 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).
 CHECKPOINT_VERSION = 2
@@ -246,7 +249,7 @@ def load_checkpoint(folder, script, args, task=None):
             f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run"
         )
     check_files(folder, state)
-    saved, given = state["args"], vars(args)
+    saved, given = dict(LATER_FLAGS, **state["args"]), vars(args)
     for key, value in given.items():
         if key in RESUMABLE_CHANGES:
             continue
