@@ -40,7 +40,8 @@ def import_peft():
     try:
         import peft
     except ImportError:
-        raise UsageError("--lora-rank needs peft, which is not installed: pip install -r requirements-lora.txt") from None
+        message = "--lora-rank needs peft, which is not installed: pip install -r requirements-lora.txt"
+        raise UsageError(message) from None
     return peft
 
 
@@ -48,7 +49,7 @@ def check_args(args):
     """One line for LoRA flags that cannot work: a rank below 0, an alpha or dropout out of range, no target
     modules, LoRA under torchrun, or --lora-merged without LoRA."""
     if args.lora_rank < 0:
-        raise UsageError(f"--lora-rank is {args.lora_rank}: it must be a positive integer (0: no LoRA, full fine-tuning)")
+        raise UsageError(f"--lora-rank is {args.lora_rank}: it must be a positive integer (0: full fine-tuning)")
     if args.lora_rank == 0:
         if args.lora_merged:
             raise UsageError("--lora-merged saves a LoRA policy merged into its base: it needs --lora-rank above 0")
@@ -77,7 +78,8 @@ def lora_config(args, task_type):
 
 
 def linear_names(model):
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    return sorted({name.rsplit(".", 1)[-1] for name in linears})
 
 
 def wrap(model, args, task_type="CAUSAL_LM"):

@@ -23,8 +23,8 @@ SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
 
 def lora_args(script, tmp_path, **overrides):
-    args = dict(seed=1, num_steps=1, prompts_per_step=4, max_new_tokens=4, sample_every=0, output_dir=str(tmp_path / "runs"),
-                lora_rank=4, learning_rate=1e-2)  # fmt: skip
+    args = dict(seed=1, num_steps=1, prompts_per_step=4, max_new_tokens=4, sample_every=0,
+                output_dir=str(tmp_path / "runs"), lora_rank=4, learning_rate=1e-2)  # fmt: skip
     args.update(dict(group_size=4) if script == "grpo" else dict(samples_per_prompt=1, num_minibatches=2))
     args.update(overrides)
     return SCRIPTS[script].Args(**args)
@@ -112,7 +112,8 @@ def test_resume_continues_bit_exactly(script, tmp_path):
     for name in files:
         a, b = load_file(os.path.join(straight, name)), load_file(os.path.join(resumed, name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = (torch.load(os.path.join(f, "state.pt"), weights_only=False)["optimizer"]["state"] for f in (straight, resumed))
+    a, b = (torch.load(os.path.join(f, "state.pt"), weights_only=False)["optimizer"]["state"]
+            for f in (straight, resumed))
     assert a.keys() == b.keys() and len(a) > 0
     for index in a:
         assert all(torch.equal(a[index][k], b[index][k]) for k in a[index])
@@ -121,7 +122,8 @@ def test_resume_continues_bit_exactly(script, tmp_path):
 def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     """PPO's critic: its own adapters on its own copy of the base, both frozen; no tensor shared with the policy."""
     seen = {}
-    monkeypatch.setattr(checkpoints, "save_model", lambda model, tokenizer, folder: seen.setdefault(os.path.basename(folder), model))
+    monkeypatch.setattr(checkpoints, "save_model",
+                        lambda model, tokenizer, folder: seen.setdefault(os.path.basename(folder), model))
     ppo.main(lora_args("ppo", tmp_path, num_steps=2))
     policy, critic = seen["final"], seen["critic"]
     trained = {name for name, p in critic.named_parameters() if p.requires_grad}
@@ -129,7 +131,8 @@ def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     assert all("lora_" in name for name, p in policy.named_parameters() if p.requires_grad)
     assert not {p.data_ptr() for p in policy.parameters()} & {p.data_ptr() for p in critic.parameters()}
     base = models.load_backbone(models.TINY_MODEL, models.CPU).state_dict()
-    frozen = {k.removeprefix("backbone.").replace(".base_layer", ""): v for k, v in critic.state_dict().items() if "lora_" not in k}
+    frozen = {k.removeprefix("backbone.").replace(".base_layer", ""): v
+              for k, v in critic.state_dict().items() if "lora_" not in k}
     assert all(torch.equal(base[k], frozen[k]) for k in base)
 
 
@@ -145,7 +148,7 @@ def one_line(excinfo):
     (dict(lora_dropout=1.0), "--lora-dropout is 1.0: it must be in"),
     (dict(lora_rank=0, lora_merged=True), "--lora-merged .* needs --lora-rank above 0"),
     (dict(lora_target_modules=("qkv_proj",)), "--lora-target-modules qkv_proj: peft cannot adapt .*q_proj"),
-    (dict(lora_target_modules=("input_layernorm",)), "--lora-target-modules input_layernorm: peft cannot adapt .*not supported"),
+    (dict(lora_target_modules=("input_layernorm",)), "--lora-target-modules input_layernorm: peft cannot .*not supported"),
 ])  # fmt: skip
 def test_bad_lora_flags_get_one_line(overrides, expected, tmp_path):
     with pytest.raises(UsageError, match=expected) as excinfo:
