@@ -25,6 +25,7 @@ import torch
 
 import checkpoints
 import distributed as dist
+import lora
 from common import approx_kl, clip_fraction, masked_mean
 from errors import Interrupted, UsageError
 from models import TINY_MODEL
@@ -59,6 +60,16 @@ class RunArgs:
     """print a few sample completions every this many steps (0: never)"""
     output_dir: str = "runs"
     """TensorBoard logs, checkpoints and the final model(s) go to output_dir/run_name"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank instead of every weight (the critic's too; needs peft); 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """LoRA's scale: each adapted layer adds lora_alpha / lora_rank * B A x"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input; above 0 the log-probs of training differ from those that sampled"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """names of the layers that get adapters (peft's target_modules); all-linear: every attention and MLP linear"""
+    lora_merged: bool = False
+    """also save the final policy merged into its base, a plain transformers model, as final-merged"""
 
 
 def parse_args(args_class, hub_defaults):
@@ -161,6 +172,7 @@ def check_run_args(args):
     for name in ("eval_every", "save_every", "sample_every"):
         if getattr(args, name) < 0:
             raise UsageError(f"{flag(name)} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
+    lora.check_args(args)
 
 
 def run_main(main):

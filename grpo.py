@@ -39,6 +39,7 @@ import checkpoints
 import common
 import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import dumps
+import lora
 import models
 import precision
 from errors import UsageError
@@ -285,11 +286,13 @@ def main(args, flags_given=()):
     start_time = time.time()
     tokenizer = models.load_tokenizer(args.model, args.system_prompt)
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
+    policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
     if args.gradient_checkpointing:
         common.set_activation_checkpointing(policy, True)
     # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded. It is held like
     # the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
-    ref_model = models.load_causal_lm(args.model, device).eval().requires_grad_(False) if args.beta > 0 else None
+    # With LoRA it is the policy with its adapters off: the frozen base itself, no second copy.
+    ref_model = lora.reference(policy, args, device) if args.beta > 0 else None
     scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
@@ -301,7 +304,7 @@ def main(args, flags_given=()):
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = 1, {"score": [], "length": [], "tokens": 0}
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
-        dist.load_state_dict(policy, models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
+        lora.restore_weights(policy, os.path.join(args.resume, "policy"), lambda f: models.load_causal_lm(f, models.CPU))
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
@@ -392,6 +395,7 @@ def main(args, flags_given=()):
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
+    lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
     writer.close()
     bookkeeping.print_summary("grpo", history, time.time() - start_time, device, final_dir)
     return history["score"]

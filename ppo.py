@@ -36,6 +36,7 @@ import checkpoints
 import common
 import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import dumps
+import lora
 import models
 import precision
 from errors import UsageError
@@ -355,15 +356,18 @@ def main(args, flags_given=()):
     start_time = time.time()
     tokenizer = models.load_tokenizer(args.model, args.system_prompt)
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
+    policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
     critic = load_critic(args.critic_model or args.model, device)
+    lora.wrap(critic.backbone, args, task_type=None)  # its own adapters on its own frozen copy (README: LoRA)
     if args.gradient_checkpointing:
         for model in (policy, critic.backbone):
             common.set_activation_checkpointing(model, True)
     # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded. It is
     # held like the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
+    # With LoRA it is the policy with its adapters off: the frozen base itself, no second copy.
     use_ref = args.kl_coef > 0 or args.target_kl is not None
-    ref_model = models.load_causal_lm(args.model, device).eval().requires_grad_(False) if use_ref else None
+    ref_model = lora.reference(policy, args, device) if use_ref else None
     scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
@@ -376,8 +380,8 @@ def main(args, flags_given=()):
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
-        dist.load_state_dict(policy, models.load_causal_lm(os.path.join(args.resume, "policy"), models.CPU).state_dict())
-        dist.load_state_dict(critic, load_critic(os.path.join(args.resume, "critic"), models.CPU).state_dict())
+        lora.restore_weights(policy, os.path.join(args.resume, "policy"), lambda f: models.load_causal_lm(f, models.CPU))
+        lora.restore_weights(critic, os.path.join(args.resume, "critic"), lambda f: load_critic(f, models.CPU))
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
@@ -496,6 +500,7 @@ def main(args, flags_given=()):
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
+    lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
     checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()
     bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)

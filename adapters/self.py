@@ -13,6 +13,7 @@ import torch
 
 import common
 import grpo
+import lora
 import models
 import ppo
 
@@ -111,12 +112,15 @@ def update(model, batch, args, state):
 
 
 def initial_models(args):
-    """The models step 1 started from: the policy (also the reference) and, for PPO, the critic."""
+    """The models step 1 started from: the policy (also the reference) and, for PPO, the critic; with LoRA, with
+    the run's initial adapters (lora.wrap draws them from --seed), whose B = 0 leaves the reference the base."""
     device = torch.device("cpu")
-    policy = models.load_causal_lm(args["model"], device)
+    policy = lora.wrap(models.load_causal_lm(args["model"], device), args)
     if args["script"] == "grpo":
         return policy, None
-    return policy, ppo.load_critic(args["critic_model"] or args["model"], device)
+    critic = ppo.load_critic(args["critic_model"] or args["model"], device)
+    lora.wrap(critic.backbone, args, task_type=None)
+    return policy, critic
 
 
 def optimizer(model, args, critic=None):
