@@ -175,6 +175,9 @@ class Reference:
     def parameters(self):
         return iter(())
 
+    def __getattr__(self, name):  # config, forward, generation_config...: the policy's, read, never trained
+        return getattr(self.policy, name)
+
 
 def reference(policy, args, device):
     """The frozen reference of the KL term: with LoRA the policy with its adapters off (no copy), else a second

@@ -84,7 +84,8 @@ def check_model_names(args, fields):
     if getattr(args, "critic_model", None) not in (None, args.model):
         model_checks.check_same_vocabulary(args.model, args.critic_model)
     config = _from_pretrained(AutoConfig, resolve_model_path(args.model))
-    model_checks.check_step_fits(args, config, pick_device(), int(os.environ.get("WORLD_SIZE", 1)))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
+    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def _from_pretrained(loader, name, **kwargs):

@@ -27,8 +27,10 @@ def prompt_runs(prompt_ids, prompt_mask):
 
 
 def cache_argument(model):
-    """The name transformers gives the KV cache argument (`cache` from 5.24; `past_key_values` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """The name transformers gives the KV cache argument (`cache` from 5.24; `past_key_values` before), asked of
+    the transformers model itself (a peft wrapper's forward takes **kwargs and passes them on)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def shareable_cache(model):

@@ -82,8 +82,8 @@ def test_saved_adapters_and_merged_model_are_the_last_policy(script, tmp_path, m
 
     last = {}
     save_model = checkpoints.save_model
-    monkeypatch.setattr(checkpoints, "save_model", lambda model, tokenizer, folder: (
-        last.setdefault(os.path.basename(folder), copy.deepcopy(model)), save_model(model, tokenizer, folder))[1])
+    monkeypatch.setattr(checkpoints, "save_model", lambda model, tokenizer, folder, **kw: (
+        last.setdefault(os.path.basename(folder), copy.deepcopy(model)), save_model(model, tokenizer, folder, **kw))[1])
     SCRIPTS[script].main(lora_args(script, tmp_path, num_steps=3, lora_merged=True, dump_dir=str(tmp_path / "dump")))
     (final,) = glob.glob(str(tmp_path / "runs" / "*" / "final"))
     d = dumped(tmp_path / "dump")[-1]
@@ -123,7 +123,7 @@ def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     """PPO's critic: its own adapters on its own copy of the base, both frozen; no tensor shared with the policy."""
     seen = {}
     monkeypatch.setattr(checkpoints, "save_model",
-                        lambda model, tokenizer, folder: seen.setdefault(os.path.basename(folder), model))
+                        lambda model, tokenizer, folder, **kw: seen.setdefault(os.path.basename(folder), model))
     ppo.main(lora_args("ppo", tmp_path, num_steps=2))
     policy, critic = seen["final"], seen["critic"]
     trained = {name for name, p in critic.named_parameters() if p.requires_grad}
