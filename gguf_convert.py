@@ -13,8 +13,10 @@ from errors import UsageError
 
 
 def gguf_folder(path, cache, flag="--model"):
-    """A .gguf file as an ordinary transformers folder, converted once into the folder `cache` (keyed by the
-    file's path, size and date): dequantised to float32, with its tokenizer, chat template and generation config.
+    """A .gguf file as an ordinary transformers folder, converted once into the folder `cache`: dequantised to
+    float32, with its tokenizer, chat template and generation config. The folder is keyed by the file's path, size,
+    date and a hash of its first and last MiB: another model copied to the same path, even with the old file's
+    size and date, is converted again.
 
     Every later load, save and --resume then goes through the folder path like any hub model. A model loaded
     from GGUF directly would cost ~2 minutes per copy (policy, reference, critic) and refuses save_pretrained.
@@ -28,8 +30,12 @@ def gguf_folder(path, cache, flag="--model"):
         import gguf  # noqa: F401  (transformers reads GGUF files through it)
     except ImportError:
         raise UsageError(f"{flag} {os.path.basename(path)} needs the gguf package: pip install gguf==0.19.0") from None
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    stat, digest = os.stat(path), hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(stat.st_size - 2**20, 0))
+        digest.update(f.read())
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{digest.hexdigest()}".encode()).hexdigest()[:12]
     folder = os.path.join(cache, f"gguf-{os.path.basename(path)[:-5]}-{key}")
     if not os.path.isdir(folder):
         convert_gguf(path, folder, flag)
