@@ -6,8 +6,6 @@ padding, no micro-batches), from those weights, the dumped batch and a loss writ
 and ppo.py: a loop that drops a micro-batch, detaches a term or clips around the wrong value shows.
 """
 
-import itertools
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -146,42 +144,46 @@ def ppo_row_gradients(policy, critic, old_policy, old_critic, d, args, stats):
         clipped_values = old_values + (values - old_values).clamp(-c, c)
         v = 0.5 * torch.maximum((values - R) ** 2, (clipped_values - R) ** 2)
         (pg + args.vf_coef * v).sum().backward()
-        moved = (values - old_values).detach()
+        moved, value_clipped = (values - old_values).detach(), ((clipped_values - R) ** 2 > (values - R) ** 2)
         stats.update(above=stats["above"] or bool(((ratio > 1 + args.clip_high) & (A > 0)).any()),
                      below=stats["below"] or bool(((ratio < 1 - args.clip_low) & (A < 0)).any()),
-                     v_up=stats["v_up"] or bool((moved > c).any()), v_down=stats["v_down"] or bool((moved < -c).any()))
+                     v_up=stats["v_up"] or bool((value_clipped & (moved > c)).any()),
+                     v_down=stats["v_down"] or bool((value_clipped & (moved < -c)).any()))
         grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for m in (policy, critic) for p in m.parameters()]
         out.append((flat(grads), T))
     return out
 
 
-def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, clipped):
+def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, clipped, monkeypatch):
     """6 completions, 3 minibatches of 2 (set apart from --update-epochs 2), micro-batches of 1. Each of the 6
-    optimizer steps must apply the gradient of exactly one pair of completions (found by trying all 15), the
-    pairs of an epoch must cover the batch once, and the second epoch must draw other pairs than the first."""
+    optimizer steps must apply the gradient of the pair of completions its epoch's permutation gives (and of no
+    other pair), each epoch must draw its own permutation, and their minibatches must differ."""
+    permutations, randperm = [], torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda n, *a, **k: permutations.append(randperm(n, *a, **k)) or permutations[-1])
+    reward = tmp_path / "signs.py"  # returns of both signs, so values move up and down towards them
+    reward.write_text('EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
+                      "def reward(prompt, completion, answer):\n    return 0.5 if ord((completion or 'a')[0]) % 2 else -0.5\n")
     args = ppo.Args(seed=4, num_steps=1, prompts_per_step=6, max_new_tokens=4, update_epochs=2, num_minibatches=3,
-                    micro_batch_size=1, learning_rate=3e-2, critic_learning_rate=3e-2, clip_low=0.02, clip_high=0.03,
-                    cliprange_value=0.01, vf_coef=0.5, sample_every=0, output_dir=str(tmp_path / "runs"),
-                    dump_dir=str(tmp_path / "dump"))  # fmt: skip
+                    micro_batch_size=1, learning_rate=3e-2, critic_learning_rate=1e-3, clip_low=0.02, clip_high=0.03,
+                    cliprange_value=0.01, vf_coef=0.5, missing_eos_penalty=0.0, task=f"python:{reward}:reward",
+                    sample_every=0, output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump"))  # fmt: skip
     ppo.main(args)
     d = load_file(str(tmp_path / "dump" / "step000001.safetensors"))
-    n_policy = len(list(models.load_causal_lm(args.model, CPU).parameters()))
-    updates = [(clipped[i][0] + clipped[i + 1][0], flat(clipped[i][1] + clipped[i + 1][1])) for i in range(0, len(clipped), 2)]
-    assert len(updates) == args.update_epochs * args.num_minibatches
+    policy = models.load_causal_lm(args.model, CPU)
+    n_policy, n_flat = len(list(policy.parameters())), sum(p.numel() for p in policy.parameters())
+    updates = [(clipped[i][0] + clipped[i + 1][0], clipped[i][1] + clipped[i + 1][1]) for i in range(0, len(clipped), 2)]
+    epochs = [p.tolist() for p in permutations if len(p) == 6]
+    assert len(epochs) == args.update_epochs and len(updates) == args.update_epochs * args.num_minibatches
+    pairs = [tuple(sorted(perm[i : i + 2])) for perm in epochs for i in (0, 2, 4)]
+    assert {frozenset(p) for p in pairs[:3]} != {frozenset(p) for p in pairs[3:]}, f"both epochs drew {pairs[:3]}"
     make = lambda weights: (with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),  # noqa: E731
                             with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]))
     old_policy, old_critic = make(updates[0][0])
-    stats, pairs = dict(above=False, below=False, v_up=False, v_down=False), []
-    for weights, applied in updates:
+    stats = dict(above=False, below=False, v_up=False, v_down=False)
+    for (weights, applied), pair in zip(updates, pairs):
         per_row = ppo_row_gradients(*make(weights), old_policy, old_critic, d, args, stats)
-        found = []
-        for pair in itertools.combinations(range(6), 2):
-            expected = sum(per_row[i][0] for i in pair) / sum(per_row[i][1] for i in pair)
-            if (applied - expected).abs().max() <= 1e-4 * expected.abs().max():
-                found.append(pair)
-        assert len(found) == 1, f"update {len(pairs) + 1}: the applied gradient is that of {found or 'no pair'}"
-        pairs.append(found[0])
-    epochs = [sorted(pairs[:3]), sorted(pairs[3:])]
-    assert all(sorted(sum(epoch, ())) == list(range(6)) for epoch in epochs), pairs
-    assert epochs[0] != epochs[1], f"both epochs drew the minibatches {epochs[0]}"
-    assert all(stats.values()), stats  # both clips acted, on both sides
+        expected = sum(per_row[i][0] for i in pair) / sum(per_row[i][1] for i in pair)
+        # the policy's and the critic's gradients, each to its own scale: neither hides in the other's
+        assert_close(flat(applied[:n_policy]), expected[:n_flat])
+        assert_close(flat(applied[n_policy:]), expected[n_flat:])
+    assert all(stats.values()), stats  # both clips took the gradient away, on both sides
