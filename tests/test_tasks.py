@@ -51,3 +51,14 @@ def test_held_out_split_is_a_fixed_shuffle():
     assert held_out != list(range(10)) and held_out != list(range(90, 100)) and max(held_out) - min(held_out) > 50
     assert split_examples("ordered", examples) == (train, test)
     assert [ex["answer"] for ex in examples] == [str(i) for i in range(100)]
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("Paris", "Paris", 1.0), (" Paris\n", "Paris", 1.0), ("London", "Paris", 0.0), ("", "Paris", 0.0),
+    ("paris", "Paris", 0.0), ("3.50", "3.5", 1.0), ("1,000", "1000", 1.0), ("Paris", "3", 0.0), ("3", "Paris", 0.0),
+])  # fmt: skip
+def test_match_reward_on_text_answers(completion, answer, reward):
+    """Two texts that are not numbers match only when equal (two unparsable numbers are not the same number)."""
+    from rewards import match_reward
+
+    assert match_reward("?", completion, answer) == reward

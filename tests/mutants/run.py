@@ -1,20 +1,26 @@
-"""Seed hand-written bugs into the algorithm files, one at a time, and check that the tests meant to catch
-each one do. Run it before resolving an issue that touches grpo.py, ppo.py, common.py, bookkeeping.py or
-tasks.py; it is not part of the normal suite (tests/conftest.py ignores this folder).
+"""Seed hand-written bugs into the code, one at a time, and check that the fast suite (`pytest -m "not slow"`,
+what a person runs after each edit) catches each one. Run it before resolving an issue that touches grpo.py,
+ppo.py or the files they use; it is not part of the normal suite (tests/conftest.py ignores this folder).
 
-    python tests/mutants/run.py                      # every mutant, about 10 minutes on 2 cores
+    python tests/mutants/run.py                      # every mutant against the fast suite
     python tests/mutants/run.py --only grpo-old-logp-attached tasks-sampler-state-alias
+    python tests/mutants/run.py --own                # each mutant against its own selection only (slow tests too)
     python tests/mutants/run.py --list               # names, files and what each breaks
     python tests/mutants/run.py --mutants other.py   # another list in the same format (a fresh pass)
     python tests/mutants/run.py --rev HEAD           # the committed code, whatever is being edited
 
 The repository's working tree (or, with --rev, a git revision) is copied to a temporary folder (the checkout
-is never touched); each mutant replaces one exact snippet of one file there, runs `pytest -x -q` on its
-selection with a timeout, and puts the file back. First every selection runs on the unmutated copy: a selection that fails there would make
-its mutants look killed, so the run stops. A snippet that is not in the file (the code moved on) is
-reported as NOT FOUND, never counted as killed: update the mutant in mutants.py.
+is never touched); each mutant replaces one exact snippet of one file there and the tests run with a timeout:
+first the mutant's own selection (its `tests`, fast tests only), where it should die in seconds, then, if it
+lived, the rest of the fast suite; the file is put back. First the unmutated copy must pass what the mutants
+run (a failing test would make every mutant look killed), or the run stops.
 
-Exit status: 0 when every mutant is killed, 1 when one survives, 2 when one could not be applied or run.
+Not a kill: a snippet that is not in the file exactly once (the code moved on: update the mutant in mutants.py;
+tests/test_mutant_list.py fails on it in the normal suite too), and a run that timed out (TIMEOUT: raise
+--timeout or make the test faster).
+
+Exit status: 0 when every mutant is killed, 1 when one survives, 2 when one could not be applied, timed out
+or errored (the runner did not do its job).
 """
 
 import argparse
@@ -29,8 +35,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SKIP = shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache", ".venv", "venv", ".benchmarks", "*.pyc")
 
 
+FAST = ["-m", "not slow"]
+
+
 def run_pytest(repo, selection, timeout):
-    """(status, seconds, first failing test or error line) of `pytest -x -q selection` in `repo`."""
+    """(pytest's exit code or "timeout", seconds, first failing test or error line) of `pytest -x -q selection`."""
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *selection]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
@@ -45,17 +54,43 @@ def run_pytest(repo, selection, timeout):
 
 def status_of(returncode):
     """pytest's exit codes: 1 tests failed, 2 interrupted (a collection error: the mutant broke an import),
-    3 internal error, 4 usage error (a bad selection), 5 no tests collected."""
+    3 internal error, 4 usage error (a bad selection), 5 no tests collected (only after the rest of the suite)."""
     if returncode == "timeout":
-        return "killed (timeout)"
+        return "TIMEOUT"
     return {0: "SURVIVED", 1: "killed", 2: "killed (collection error)"}.get(returncode, f"ERROR (pytest exit {returncode})")
+
+
+def whole_files(selection):
+    """The test files a selection runs in full (no -k, no ::node), which the rest of the fast suite can skip."""
+    if "-k" in selection:
+        return []
+    return [arg for arg in selection if arg.endswith(".py") and "::" not in arg]
+
+
+class BaselineFails(Exception):
+    """The unmutated copy fails a selection: every mutant would look killed there."""
+
+
+def run_mutant(repo, tests, timeout, own, unmutated_passes):
+    """(status, seconds, caught by): its own selection, then (fast mode, when it lived) the rest of the fast suite.
+    `unmutated_passes(selection)` is checked first for each selection (the mutated file is restored meanwhile)."""
+    own_selection = tuple(tests) if own else tuple(FAST + list(tests))
+    unmutated_passes(own_selection)
+    code, seconds, first = run_pytest(repo, own_selection, timeout)
+    if own or code not in (0, 5):  # 5: its selection has no fast test
+        return status_of(code), seconds, first
+    rest = tuple(FAST + ["tests"] + [f"--ignore={path}" for path in whole_files(tests)])
+    unmutated_passes(rest)
+    code, more, first = run_pytest(repo, rest, max(1, timeout - seconds))
+    return status_of(code), seconds + more, first
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds per pytest run (default 240)")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per mutant (default 1200)")
+    parser.add_argument("--own", action="store_true", help="run each mutant's own selection only, slow tests included")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each selection")
     parser.add_argument("--rev", metavar="REV", help="mutate this git revision (git archive) instead of the working tree")
     parser.add_argument("--mutants", metavar="FILE.py",
@@ -86,14 +121,20 @@ def main():
             return 0
         print(f"copied {ROOT} ({args.rev or 'working tree'}) to {repo}; {len(mutants)} mutants from {path}", flush=True)
 
-        if not args.no_baseline:
-            selections = list(dict.fromkeys(tuple(m["tests"]) for m in mutants))
-            for selection in selections:
-                code, seconds, first = run_pytest(repo, selection, args.timeout)
-                print(f"baseline {' '.join(selection)}: {'passes' if code == 0 else 'FAILS'} ({seconds:.0f} s)", flush=True)
-                if code != 0:
-                    print(f"  {first}\nthe unmutated code fails this selection: fix it before counting mutants", flush=True)
-                    return 2
+        checked = set()  # the selections the unmutated copy passed
+
+        def unmutated_passes(selection):
+            if args.no_baseline or selection in checked:
+                return
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(original)
+            code, seconds, first = run_pytest(repo, selection, args.timeout)
+            print(f"baseline {' '.join(selection)}: {'FAILS' if code not in (0, 5) else 'passes'} ({seconds:.0f} s)", flush=True)
+            if code not in (0, 5):
+                raise BaselineFails(first)
+            checked.add(selection)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(original.replace(m["find"], m["replace"]))
 
         rows = []
         for m in mutants:
@@ -109,30 +150,33 @@ def main():
             try:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(original.replace(m["find"], m["replace"]))
-                code, seconds, first = run_pytest(repo, m["tests"], args.timeout)
+                status, seconds, first = run_mutant(repo, m["tests"], args.timeout, args.own, unmutated_passes)
+            except BaselineFails as e:
+                print(f"  {e}\nthe unmutated code fails this selection: fix it before counting mutants", flush=True)
+                return 2
             finally:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(original)
-            rows.append((m, status_of(code), seconds, first))
-            print(f"{m['name']}: {status_of(code)} ({seconds:.0f} s)", flush=True)
+            rows.append((m, status, seconds, first))
+            print(f"{m['name']}: {status} ({seconds:.0f} s)", flush=True)
 
     print()
     print(f"{'mutant':<40} {'file':<15} {'result':<26} {'s':>4}  caught by / note")
     for m, status, seconds, first in rows:
-        note = first if status.startswith("killed") or status.startswith(("NOT", "AMBIG", "ERROR")) else m["what"]
+        note = m["what"] if status == "SURVIVED" else first
         print(f"{m['name']:<40} {m['file']:<15} {status:<26} {seconds:>4.0f}  {note}")
     applicable = [r for r in rows if r[1].startswith(("killed", "SURVIVED"))]
     killed = [r for r in applicable if r[1].startswith("killed")]
     broken = [r for r in rows if r not in applicable]
     print()
-    print(f"kill rate: {len(killed)}/{len(applicable)} applicable mutants killed")
+    total = sum(r[2] for r in rows)
+    print(f"kill rate: {len(killed)}/{len(applicable)} applicable mutants killed ({total:.0f} s of tests)")
     if broken:
-        print(f"NOT APPLIED (not found, ambiguous or errors): {', '.join(r[0]['name'] for r in broken)}")
+        print(f"RUNNER FAILURE (not found, ambiguous, timeout or error): {', '.join(r[0]['name'] for r in broken)}")
     survivors = [r[0]["name"] for r in applicable if r[1] == "SURVIVED"]
     if survivors:
         print(f"SURVIVED: {', '.join(survivors)}")
-        return 1
-    return 2 if broken else 0
+    return 2 if broken else 1 if survivors else 0
 
 
 if __name__ == "__main__":

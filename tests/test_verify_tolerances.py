@@ -1,0 +1,102 @@
+"""verify.py fails each row on a near miss: one value off by 1.5 times that row's tolerance (the update: off by
+1.5 times, scaled from a first, larger miss), while a miss of half the tolerance passes. The reference's
+log-probs are compared too: a dump whose ref_logp is off fails the log-probs row."""
+
+import re
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import grpo
+import ppo
+import verify
+from test_verify import rows, run
+
+ADAPTER = """
+import torch
+import verify
+ours = verify.load_adapter("self")
+DELTA = {delta!r}
+
+def bump(x):
+    x = torch.as_tensor(x).clone()
+    x.view(-1)[0] += DELTA  # the first completion's first token (always a real one)
+    return x
+"""
+OVERRIDES = {  # quantity: the adapter's functions, each ours with one value moved by DELTA
+    "advantages": """
+def group_advantages(batch, args):
+    return bump(ours.group_advantages(batch, args))
+def gae(batch, args):
+    advantages, returns = ours.gae(batch, args)
+    return bump(advantages), returns
+""",
+    "returns": """
+def gae(batch, args):
+    advantages, returns = ours.gae(batch, args)
+    return advantages, bump(returns)
+""",
+    "log-probs": "def token_logprobs(model, batch, args):\n    return bump(ours.token_logprobs(model, batch, args))\n",
+    "kl": "def kl(batch, args):\n    return bump(ours.kl(batch, args))\n",
+    "per-token loss": "def per_token_loss(batch, args):\n    return bump(ours.per_token_loss(batch, args))\n",
+    "loss": "def loss(batch, args):\n    return ours.loss(batch, args) + DELTA\n",
+    "gradient": "def train_loss(model, batch, args, critic=None):\n    return ours.train_loss(model, batch, args, critic) * (1 + DELTA)\n",
+    "update": """
+def update(model, batch, args):
+    ours.update(model, batch, args)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1 + DELTA)  # every logit scaled: a log-prob miss linear in DELTA
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("near-miss")
+    flags = dict(seed=3, prompts_per_step=3, max_new_tokens=4, sample_every=0, output_dir=str(folder / "runs"))
+    grpo.main(grpo.Args(**flags, group_size=4, num_steps=2, learning_rate=1e-2, beta=0.1, dump_dir=str(folder / "grpo")))
+    ppo.main(ppo.Args(**flags, num_steps=1, num_minibatches=3, dump_dir=str(folder / "ppo")))
+    return {"grpo": str(folder / "grpo"), "ppo": str(folder / "ppo")}
+
+
+def verify_with(capsys, tmp_path, dump, quantity, delta):
+    path = tmp_path / f"near_{abs(hash((quantity, delta)))}.py"
+    path.write_text(ADAPTER.format(delta=delta) + OVERRIDES[quantity])
+    code, out, _ = run(capsys, dump, "--against", path)
+    return code, rows(out)[quantity], out
+
+
+@pytest.mark.parametrize("script, quantity", [
+    ("grpo", "advantages"), ("grpo", "log-probs"), ("grpo", "kl"), ("grpo", "per-token loss"), ("grpo", "loss"),
+    ("grpo", "gradient"), ("ppo", "advantages"), ("ppo", "returns"), ("ppo", "log-probs"), ("ppo", "kl"),
+    ("ppo", "per-token loss"), ("ppo", "loss"), ("ppo", "gradient"),
+])  # fmt: skip
+def test_a_near_miss_fails_its_row(dumps, capsys, tmp_path, script, quantity):
+    tolerance = verify.TOLERANCES[quantity][1]
+    code, result, out = verify_with(capsys, tmp_path, dumps[script], quantity, 1.5 * tolerance)
+    assert code == 1 and result.startswith("FAIL"), out
+    code, result, out = verify_with(capsys, tmp_path, dumps[script], quantity, 0.5 * tolerance)
+    assert code == 0 and result == "pass", out
+
+
+def test_a_near_miss_of_the_update_fails(dumps, capsys, tmp_path):
+    tolerance = verify.TOLERANCES["update"][1]
+    _, _, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3)
+    miss = float(re.search(r"\| update \| 1 \| (\S+) \|", out).group(1))  # the miss of a 1e-3 scaling
+    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3 * 1.5 * tolerance / miss)
+    assert code == 1 and result.startswith("FAIL"), out
+    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3 * 0.5 * tolerance / miss)
+    assert code == 0 and result == "pass", out
+
+
+@pytest.mark.parametrize("key", ["new_logp", "ref_logp"])
+def test_a_dump_whose_log_probs_are_slightly_off_fails(dumps, capsys, tmp_path, key):
+    """Step 1's stored policy or reference log-probs moved by 1.5 times the tolerance on one token."""
+    copy = tmp_path / "dump"
+    shutil.copytree(dumps["grpo"], copy)
+    d = load_file(copy / "step000001.safetensors")
+    d[key][0, 0] += 1.5 * verify.TOLERANCES["log-probs"][1]
+    save_file(d, copy / "step000001.safetensors")
+    code, out, _ = run(capsys, copy, "--against", "self")
+    assert code == 1 and rows(out)["log-probs"].startswith("FAIL"), out
