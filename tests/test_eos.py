@@ -20,8 +20,11 @@ def test_decoding_strips_each_of_two_eos_ids(tiny_tokenizer):
     assert common.decode_completions(tiny_tokenizer, ids[:1], mask[:1], [eos]) == ["123="]  # '=' alone is text
 
 
-def test_the_tokenizers_eos_joins_the_generation_configs():
-    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, 9]))
+def test_the_tokenizers_eos_joins_the_generation_configs(monkeypatch):
+    import model_checks
+
+    monkeypatch.setattr(model_checks, "check_token_ids", lambda *args: None)  # no model behind these ids
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, 9]), name_or_path="m")
     assert models.eos_token_ids(model, types.SimpleNamespace(eos_token_id=5)) == [7, 9, 5]
     assert models.eos_token_ids(model, types.SimpleNamespace(eos_token_id=9)) == [7, 9]
     model.generation_config.eos_token_id = 7

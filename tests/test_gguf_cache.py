@@ -17,6 +17,9 @@ def test_a_replaced_gguf_at_the_same_path_is_converted_again(tmp_path, monkeypat
         converted.append(open(path, "rb").read())
         os.makedirs(folder)
 
+    monkeypatch.setattr(gguf_convert, "NEEDED", ())  # the stub writes no model: nothing to check in its folder
+    monkeypatch.setattr(gguf_convert, "safetensors_complete", lambda path: True)
+
     monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     path, cache = tmp_path / "model.gguf", str(tmp_path / "cache")
     path.write_bytes(b"GGUF" + b"a" * 4000)
