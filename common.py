@@ -14,6 +14,7 @@ import random
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import distributed as dist
 import models
 import prompt_cache
 from errors import UsageError, shorten
@@ -113,6 +114,25 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype, eos_ids):
+    """One round of sampling: `per_prompt` completions of each example's prompt, laid out prompt by prompt, and the
+    task's reward on their tokens (score_tokens: an outcome score at the last token, a dense reward where earned).
+
+    Returns a batch dict (concat_batches joins two, select_rows picks rows): prompts, answers, completions [N] and
+    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums).
+    """
+    prompts = [ex["prompt"] for ex in examples for _ in range(per_prompt)]
+    answers = [ex["answer"] for ex in examples for _ in range(per_prompt)]
+    with autocast(device, dtype), dist.full_weights(policy):  # under torchrun: whole for generate()
+        prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
+            policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template)
+    completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+    token_scores = score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
+    return dict(prompts=prompts, answers=answers, completions=completions, prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+                token_scores=token_scores, rewards=token_scores.sum(1))  # fmt: skip
 
 
 def concat_batches(a, b):

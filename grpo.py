@@ -233,27 +233,6 @@ def compute_loss(outputs, batch, args):
                      batch["num_seqs"], batch["num_tokens"], args)
 
 
-def rollout(policy, tokenizer, scorer, sampler, args, device, dtype, eos_ids):
-    """One round of sampling: prompts_per_step prompts (under torchrun: this process's share), G completions of
-    each, laid out group by group, and their rewards (a dense reward counts as its sum, the outcome).
-
-    Returns a batch dict (common.concat_batches joins two): prompts, answers, completions [N] and prompt_ids,
-    prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N].
-    """
-    examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
-    prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
-    answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
-    with common.autocast(device, dtype), dist.full_weights(policy):
-        prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-            policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
-        )
-    completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-    token_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
-    return dict(prompts=prompts, answers=answers, completions=completions, prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-                token_scores=token_scores, rewards=token_scores.sum(1))  # fmt: skip
-
-
 def dynamic_sampling(sample, args):
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
     on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
@@ -315,7 +294,8 @@ def main(args, flags_given=()):
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
-            sample = lambda: rollout(policy, tokenizer, scorer, sampler, args, device, dtype, eos_ids)  # noqa: E731
+            sample = lambda: common.rollout(policy, tokenizer, scorer, sampler.sample(args.prompts_per_step)[  # noqa: E731
+                dist.rows(args.prompts_per_step // dist.world_size())], args.group_size, args, device, dtype, eos_ids)
             sampled, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
             rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
 
