@@ -174,15 +174,20 @@ class Critic(torch.nn.Module):
         models.save_backbone_and_head(self.backbone, state_dict or self.state_dict(), folder)
 
 
-def load_critic(name, device):
-    """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too)."""
+def load_critic(name, device, args=None):
+    """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too); with
+    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (README: LoRA)."""
     critic = Critic(models.load_backbone(name, device))
     models.load_head(critic.value_head, name, device)
+    lora.wrap(critic.backbone, args, task_type=None) if args is not None else None
     return critic
 
 
 def token_values(critic, input_ids, attention_mask, completion_mask):
-    """V(s_t) for every completion token: the value of the prefix that generates it, [B, T]."""
+    """V(s_t) for every completion token: the value of the prefix that generates it, [B, T]. Without a critic
+    (--vf-coef 0) every value is 0: what the zero-initialised head gives when nothing ever trains it."""
+    if critic is None:
+        return torch.zeros(completion_mask.shape, device=completion_mask.device)
     T = completion_mask.shape[1]
     return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as for log-probs
 
@@ -358,11 +363,12 @@ def main(args, flags_given=()):
     policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
     policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
-    critic = load_critic(args.critic_model or args.model, device)
-    lora.wrap(critic.backbone, args, task_type=None)  # its own adapters on its own frozen copy (README: LoRA)
+    # With --vf-coef 0 none is loaded and every value is 0 (token_values), as a critic never trained would give.
+    critic = load_critic(args.critic_model or args.model, device, args) if args.vf_coef > 0 else None
+    trained = {name: model for name, model in (("policy", policy), ("critic", critic)) if model is not None}
     if args.gradient_checkpointing:
-        for model in (policy, critic.backbone):
-            common.set_activation_checkpointing(model, True)
+        for model in trained.values():
+            common.set_activation_checkpointing(getattr(model, "backbone", model), True)
     # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded. It is
     # held like the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
     # With LoRA it is the policy with its adapters off: the frozen base itself, no second copy.
@@ -373,15 +379,17 @@ def main(args, flags_given=()):
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
     eos_ids = models.eos_token_ids(policy, tokenizer)
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
-    policy, critic, ref_model = dist.shard(policy, critic, ref_model)
-    optimizer = torch.optim.AdamW([dict(group, lr=lr) for model, lr in ((policy, args.learning_rate), (critic, args.critic_learning_rate))
+    policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
+    lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
+    optimizer = torch.optim.AdamW([dict(group, lr=lrs[name]) for name, model in trained.items()
                                    for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
-        lora.restore_weights(policy, os.path.join(args.resume, "policy"), lambda f: models.load_causal_lm(f, models.CPU))
-        lora.restore_weights(critic, os.path.join(args.resume, "critic"), lambda f: load_critic(f, models.CPU))
+        loaders = {"policy": lambda f: models.load_causal_lm(f, models.CPU), "critic": lambda f: load_critic(f, models.CPU)}
+        for name, model in trained.items():
+            lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
@@ -394,21 +402,11 @@ def main(args, flags_given=()):
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
             examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
-            prompts = [ex["prompt"] for ex in examples for _ in range(args.samples_per_prompt)]
-            answers = [ex["answer"] for ex in examples for _ in range(args.samples_per_prompt)]
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-                    policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
-                )
-            completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-            # The task's reward on the tokens that earned it (an outcome score: on the last one), [N, T].
-            b_scores = common.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
-            scores = b_scores.sum(1)  # [N]
-
-            b_input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + T]
-            b_attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            b_mask = completion_mask  # [N, T]
-            N = len(prompts)
+            sampled = common.rollout(policy, tokenizer, scorer, examples, args.samples_per_prompt, args, device, dtype, eos_ids)
+            b_scores, scores, b_mask = sampled["token_scores"], sampled["rewards"], sampled["completion_mask"]  # [N, T], [N]
+            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
+            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
+            N = len(scores)
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
                 # Old log-probs, reference log-probs and values: computed once, before any update.
@@ -419,7 +417,7 @@ def main(args, flags_given=()):
                 b_values = torch.cat([token_values(critic, b_input_ids[m], b_attention_mask[m], b_mask[m])
                                       for m in micro_batches])  # fmt: skip
 
-            rollout = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=b_mask,
+            rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
                            scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
                            eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
@@ -430,8 +428,8 @@ def main(args, flags_given=()):
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
-            policy.train()
-            critic.train()
+            for model in trained.values():
+                model.train()
             minibatch_size = N // args.num_minibatches
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for epoch in range(args.update_epochs):
@@ -454,11 +452,11 @@ def main(args, flags_given=()):
                         loss, terms = compute_loss(outputs, dict(micro_batch, num_tokens=mb_tokens), args)
                         loss.backward()
                         updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    grad_norm, *critic_grad_norm = [torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                                                    for model in trained.values()]  # each model's own, policy first
                     # Dumped: the last update's first micro-batch (the models have moved), every minibatch's rows in order.
                     dump = dumps.batch_dump(rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
-                    dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + critic_grad_norm)
+                    dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm))
                     optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
@@ -485,7 +483,7 @@ def main(args, flags_given=()):
         pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1):
             for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
-                tqdm.write(f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {scores[i].item():.2f}")
+                tqdm.write(f"step {step} | {sampled['prompts'][i]!r} -> {sampled['completions'][i]!r} | score {scores[i].item():.2f}")
         if args.eval_every and step % args.eval_every == 0:
             with common.autocast(device, dtype), dist.full_weights(policy):
                 metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
@@ -493,7 +491,7 @@ def main(args, flags_given=()):
                 writer.add_scalar(key, value, step)
         kl_coef = next_kl_coef(rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
-            checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, {"policy": policy, "critic": critic}, tokenizer,
+            checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, trained, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
         if stop.name:
             stop.exit(step, writer, "ppo")
@@ -501,7 +499,8 @@ def main(args, flags_given=()):
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
     lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
-    checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
+    if critic is not None:
+        checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()
     bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)
     return history["score"]

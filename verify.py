@@ -306,15 +306,16 @@ def replay_grpo(ref, policy, opt, d, args, iterations):
 
 def replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args):
     """One of ppo.py's optimizer steps: the minibatch's micro-batches, each model's gradient clipped apart."""
-    policy.train()
-    critic.train()
+    trained = [model for model in (policy, critic) if model is not None]  # --vf-coef 0: no critic
+    for model in trained:
+        model.train()
     opt.zero_grad(set_to_none=True)
     tokens, size = int(batch["completion_mask"][minibatch].sum()), args["micro_batch_size"]
     for i in range(0, len(minibatch), size):
         micro = dict(select_rows(batch, minibatch[i : i + size]), num_tokens=tokens)
         ref.train_loss(policy, micro, args, critic).backward()
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), args["max_grad_norm"])
-    torch.nn.utils.clip_grad_norm_(critic.parameters(), args["max_grad_norm"])
+    for model in trained:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
     opt.step()
 
 
@@ -359,7 +360,7 @@ def check_ppo_weights(report, adapter, ref, steps, args, initial, critic, tol, n
                     notes.append(f"the replay of step {step}'s updates misses its new log-probs by {miss:.1e}")
                     return
                 check_logprobs(report, adapter, ref, step, policy, micro, d["new_logp"], "new_logp", None, args)
-                check_gradient(report, adapter, ref, step, micro, args, [policy, critic])
+                check_gradient(report, adapter, ref, step, micro, args, [m for m in (policy, critic) if m is not None])
             replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args)
         scheduler.step()
 

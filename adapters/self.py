@@ -54,7 +54,7 @@ def outputs(model, batch, args, critic=None):
     new_logp, entropy = common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"],
                                               return_entropy=True, entropy_grad=True)  # fmt: skip
     out = dict(new_logp=new_logp, entropy=entropy)
-    if critic is not None:
+    if args["script"] == "ppo":  # no critic (--vf-coef 0): values of 0, as in ppo.py
         out["new_values"] = ppo.token_values(critic, input_ids, attention_mask, mask)
     return out
 
@@ -118,9 +118,7 @@ def initial_models(args):
     policy = lora.wrap(models.load_causal_lm(args["model"], device), args)
     if args["script"] == "grpo":
         return policy, None
-    critic = ppo.load_critic(args["critic_model"] or args["model"], device)
-    lora.wrap(critic.backbone, args, task_type=None)
-    return policy, critic
+    return policy, ppo.load_critic(args["critic_model"] or args["model"], device, args) if args["vf_coef"] > 0 else None
 
 
 def optimizer(model, args, critic=None):
