@@ -71,8 +71,8 @@ def check_weights_finite(models, folder):
 
 
 def save_model(model, tokenizer, folder, step=None):
-    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model.
-    With `step`, the step it was saved at beside it (FINAL_STEP), so a resume never overwrites a later one."""
+    """save_pretrained (model and tokenizer) into a temporary folder, then rename: never half a model; with `step`,
+    the step it was saved at beside it (FINAL_STEP: a resume never overwrites a later one, check_later_results)."""
     check_weights_finite({"model": model}, folder)
     state_dict = dist.full_state_dict(model)  # under torchrun, gathered from the shards; None: the model's own
     if dist.is_main():
@@ -293,19 +293,16 @@ def lock_run_folder(run_dir):
         return
     try:
         handle = open(os.path.join(run_dir, ".lock"), "a")
-    except OSError:
-        return  # a read-only run folder: nothing will be written into it to collide
-    try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
+    except BlockingIOError:  # held by another process
         raise UsageError(f"the run folder {run_dir} is in use by another run (its .lock is held): wait for that run "
                          "to end, or stop it, before resuming") from None
+    except OSError:
+        return  # a read-only run folder: nothing will be written into it to collide
     LOCKS.append((run_dir, handle))
 
 
-def release_locks():
-    """The run is over (its summary printed, or stopped by a signal): another may resume its folder now."""
+def release_locks():  # the run is over (its summary printed, or stopped by a signal): it may be resumed now
     while LOCKS:
         LOCKS.pop()[1].close()
 

@@ -61,7 +61,9 @@ def start_dumps(args, script, run_dir):
         raise UsageError(f"cannot write to --dump-dir {dump_dir} ({e.strerror}): pick another --dump-dir") from None
 
 
-def finite(value):
+def finite(value):  # a tensor, a number, None, or a list of micro-batch pieces
+    if isinstance(value, list):
+        return all(finite(piece) for piece in value)
     return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
 
 

@@ -4,8 +4,8 @@ turned once into an ordinary transformers folder in the cache, which every load,
 transformers reads GGUF files through the `gguf` package (pip install gguf==0.19.0), dequantising every tensor.
 The cache is keyed by the file's content (sha256), so another file of the same name, size and date is converted
 anew; a file with a tensor missing is refused (transformers would initialise that layer at random). A conversion
-writes a temporary folder, renamed into place when complete, under a lock: two runs at once convert once, a
-failure leaves no temporary folder behind, and a damaged cache is named.
+writes a temporary folder, renamed into place when complete, under the cache's lock: two runs at once convert
+once, a failure leaves no temporary folder behind, and a damaged cache is named.
 """
 
 import contextlib
@@ -51,7 +51,7 @@ def gguf_folder(path, cache, flag="--model"):
         raise UsageError(f"{flag} {path!r} cannot be read ({e.strerror}): fix its permissions or pass another file") from None
     folder = os.path.join(cache, f"gguf-{os.path.basename(path)[:-5]}-{key}")
     if not os.path.isdir(folder):
-        with cache_lock(cache, folder):  # another run may be converting the same file: wait for it
+        with cache_lock(cache):  # another run may be converting the same file: wait for it
             for stale in glob.glob(glob.escape(folder) + ".tmp*"):  # left by a conversion that was killed
                 shutil.rmtree(stale, ignore_errors=True)
             if not os.path.isdir(folder):
@@ -91,10 +91,11 @@ def cache_failed(cache, error):
 
 
 @contextlib.contextmanager
-def cache_lock(cache, folder):
+def cache_lock(cache):
+    """One conversion at a time in this cache (they are rare, and each takes most of the machine)."""
     try:
         os.makedirs(cache, exist_ok=True)
-        handle = open(f"{folder}.lock", "a")
+        handle = open(os.path.join(cache, ".gguf-convert.lock"), "a")
     except OSError as e:
         raise cache_failed(cache, e) from None
     with handle:

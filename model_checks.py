@@ -34,7 +34,7 @@ def check_causal_and_finite(model, name, what="--model"):
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]], device=device) % embeddings
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
     out = (out.logits if hasattr(out, "logits") else out.last_hidden_state).float()
     if not torch.allclose(out[0, :3], out[1, :3], rtol=1e-4, atol=1e-4):
         raise UsageError(f"{what} {name!r} ({type(model).__name__}) is not causal: a later token changes the output "
@@ -106,11 +106,11 @@ def step_bytes(args, config, world_size=1):
     a key and a value per layer (KV cache), and their logits over the vocabulary at each sampled token. The
     update: a micro-batch's logits, their log-softmax and gradient (3 float32 copies). Prompts count as 1 token.
     """
-    text = config.get_text_config()
-    vocab, hidden, layers = text.vocab_size, text.hidden_size, text.num_hidden_layers
-    heads = text.num_attention_heads
+    text = config.get_text_config()  # an architecture without one of these sizes counts it as 1: still a lower bound
+    vocab, hidden, layers = (getattr(text, key, None) or 1 for key in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    heads = getattr(text, "num_attention_heads", None) or 1
     kv_dim = getattr(text, "num_key_value_heads", None) or heads
-    kv_dim = kv_dim * (getattr(text, "head_dim", None) or hidden // heads)
+    kv_dim = kv_dim * (getattr(text, "head_dim", None) or max(hidden // heads, 1))
     inner = getattr(text, "intermediate_size", None) or 4 * hidden
     params = vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
     copies = 16 + 4 * (getattr(args, "beta", 0) > 0 or getattr(args, "kl_coef", 0) > 0) + 16 * hasattr(args, "critic_model")

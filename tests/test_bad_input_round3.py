@@ -212,3 +212,35 @@ def test_principle3_a_chat_template_that_raises_or_drops_the_message(tiny_parts,
     with pytest.raises(UsageError, match=expected):
         model_checks.check_chat_template(tokenizer, "t", chat_template=True)
     model_checks.check_chat_template(tokenizer, "t", chat_template=False)  # --no-chat-template: not used
+
+
+def documented_rows(heading):
+    """(script, flags, line) of each `python SCRIPT.py FLAGS` row of a section of docs/bad_input.md."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "bad_input.md")).read()
+    section = text.split(f"## {heading}")[1].split("\n## ")[0]
+    return re.findall(r"^\| `python (grpo|ppo)\.py ([^`]*)`[^|]* \| `error: (.*)` \|$", section, re.M)
+
+
+@pytest.mark.parametrize("heading", ["Round three, principle 1:", "Round three, principle 2:"])
+def test_the_documented_lines_are_the_lines(heading, monkeypatch):
+    """Each row of the two tables, run through the checks that come before any load: exactly its line (principle
+    2's sizes in GiB are this machine's, so any number stands for a number there)."""
+    import re
+    import shlex
+
+    import tyro
+
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    rows = documented_rows(heading)
+    assert len(rows) >= 4
+    for script, flags, line in rows:
+        module = {"grpo": grpo, "ppo": ppo}[script]
+        args = tyro.cli(module.Args, args=shlex.split(flags.split(" (")[0]))
+        with pytest.raises(UsageError) as error:
+            module.check_args(args)
+            models.check_model_names(args, ["model"])
+        parts = [line] if "principle 1" in heading else re.split(r"\d[\d,.]*\d|\d", line)
+        expected = r"(?:\d[\d,.]*\d|\d)".join(map(re.escape, parts))  # one part, or numbers between parts
+        assert re.fullmatch(expected, str(error.value)), (flags, str(error.value))

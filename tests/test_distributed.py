@@ -50,6 +50,7 @@ def digits_task(tmp_path):
     (ppo, dict(prompts_per_step=3), "--prompts-per-step 3 (3 completions) does not divide across 2 processes"),
     (ppo, dict(prompts_per_step=6, num_minibatches=2), "does not divide the batch of 3 completions per process"),
     (grpo, dict(prompts_per_step=4, dump_dir="d"), "--dump-dir writes one process's batch, and this launch has 2"),
+    (ppo, dict(seed=2**32 - 1), "--seed is 4294967295: it must be in [0, 4294967294] (each of the 2 processes seeds"),
 ])  # fmt: skip
 def test_bad_launch_is_refused_in_one_line(monkeypatch, script, flags, message):
     monkeypatch.setenv("WORLD_SIZE", "2")

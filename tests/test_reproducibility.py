@@ -111,7 +111,7 @@ def test_resume_continues_exactly(script, tmp_path):
     first = main(quick_args(script, tmp_path / "parts", num_steps=k, save_every=k))
     run_dir = only_run_dir(tmp_path / "parts")
     checkpoint = os.path.join(run_dir, "checkpoint")
-    assert checkpoints.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k))["step"] == k
+    assert checkpoints.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k + m))["step"] == k
     resumed = main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=checkpoint))
 
     assert first == whole[:k]
