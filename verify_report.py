@@ -19,11 +19,12 @@ QUANTITIES = ["advantages", "rewards", "returns", "kl_coef", "log-probs", "kl", 
 # or normalised quantities (advantages), scale-free ones (gradient, kl_coef) and the KL (it grows with the
 # policy's distance from the reference: float noise with it) are relative. Float32 on CPU; a
 # dump made under bf16 autocast needs --tol log-probs=1e-2. Adam's update moves an element whose gradient is near
-# 0 by up to the learning rate either way in two right implementations: the update gets 1e-4.
+# 0 by up to the learning rate either way in two right implementations: after two steps at lr 1e-2, TRL's log-probs
+# are 1.2e-4 from ours; wrong Adam betas (0.99) give 1e-2, a reset optimizer 3: the update gets 1e-3.
 TOLERANCES = {
     "advantages": ("rel", 1e-5), "rewards": ("abs", 1e-6), "returns": ("abs", 1e-6), "kl_coef": ("rel", 1e-6),
     "log-probs": ("abs", 1e-5), "kl": ("rel", 1e-6), "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6),
-    "gradient": ("rel", 1e-5), "update": ("abs", 1e-4),
+    "gradient": ("rel", 1e-5), "update": ("abs", 1e-3),
 }  # fmt: skip
 FUNCTIONS = ["group_advantages", "gae", "rewards", "kl_coef", "token_logprobs", "kl", "per_token_loss", "loss",
              "train_loss", "update"]  # fmt: skip
