@@ -122,6 +122,7 @@ def check_args(args):
     bookkeeping.check_positive(
         args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size", "max_sampling_rounds")
     bookkeeping.check_range(args, ">= 0", "beta")
+    bookkeeping.check_range(args, "> 0", "adv_eps")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
 
 

@@ -140,7 +140,7 @@ def check_args(args):
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
     bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
-    bookkeeping.check_range(args, "> 0", "cliprange_value")
+    bookkeeping.check_range(args, "> 0", "cliprange_value", "adv_eps")
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon

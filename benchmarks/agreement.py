@@ -3,6 +3,7 @@
     python benchmarks/agreement.py                            # writes docs/agreement.md, about 1 minute on CPU
     python benchmarks/agreement.py --verl-site .verl-site     # where verl is (requirements-verl.txt)
     OPENRLHF_SITE=.openrlhf-site python benchmarks/agreement.py   # OpenRLHF: .openrlhf-site by default
+    python benchmarks/agreement.py --modes OpenRLHF "PPO, verify"   # only the modes whose name holds one of these
 
 Each mode is a short run of grpo.py or ppo.py on the tiny model (GRPO: 3 steps at learning rate 1e-2, so the
 policy has left the reference by step 2), dumped, then recomputed by each peer through verify.py: with the
@@ -80,7 +81,7 @@ def peers(script, args, with_verl, with_openrlhf):
 def make_dump(folder, script, flags):
     module = grpo if script == "grpo" else ppo
     size = dict(num_steps=3, prompts_per_step=4, group_size=4) if script == "grpo" else dict(num_steps=1)
-    fields = dict(seed=1, max_new_tokens=6, learning_rate=1e-2, sample_every=0, **dict(size, **flags))
+    fields = dict(dict(seed=1, max_new_tokens=6, learning_rate=1e-2, sample_every=0, **size), **flags)
     fields.update(output_dir=os.path.join(folder, "runs"), dump_dir=os.path.join(folder, "d"))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         module.main(module.Args(**fields))
@@ -101,6 +102,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "agreement.md"))
     parser.add_argument("--verl-site", default=os.path.join(ROOT, ".verl-site"), help="the folder verl is in")
+    parser.add_argument("--modes", nargs="*", help="only the modes whose name contains one of these")
     opts = parser.parse_args()
     sys.path.append(opts.verl_site)
     try:
@@ -121,6 +123,8 @@ def main():
     lines = [columns, "|---" * (len(verify.QUANTITIES) + 4) + "|"]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mode, (script, flags)) in enumerate(MODES.items()):
+            if opts.modes and not any(part in mode for part in opts.modes):
+                continue
             args, steps, _ = verify.load_dump(make_dump(os.path.join(tmp, str(i)), script, flags))
             for label, name, pairs, accept in peers(script, args, with_verl, with_openrlhf):
                 adapter = verify.load_adapter(name)

@@ -417,3 +417,16 @@ def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
                       output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump")))  # fmt: skip
     code, out, _ = run(capsys, tmp_path / "dump", "--against", "self")
     assert code == 0 and rows(out)["per-token loss"] == "pass" and rows(out)["gradient"] == "pass", out
+
+
+def test_the_recommended_task_mixes_prompt_lengths():
+    """copy:LOW-HIGH: as many prompts of each length, so a batch is left-padded; a reversed range is refused."""
+    from errors import UsageError
+    from tasks import load_task
+
+    task = load_task("copy:1-3")
+    lengths = [len(ex["answer"]) for ex in task.train]
+    assert sorted(set(lengths)) == [1, 2, 3] and lengths.count(1) == lengths.count(3)
+    assert task.reward_fn("1=", "1", "1") == 1.0
+    with pytest.raises(UsageError, match="write copy:DIGITS, copy:LOW-HIGH"):
+        load_task("copy:3-1")
