@@ -10,9 +10,10 @@ finished in --runs-dir are kept, so a stopped benchmark continues where it was.
     python benchmarks/lesson.py --jobs 1         # one run at a time (2 threads each) instead of 2 (1 thread each)
     python benchmarks/lesson.py --tabulate       # only re-reads the runs already in --runs-dir
 
-1. fits best with: on copy:4:dense (each right character earns its share of the copy score on the token that
-   writes it), PPO given that dense reward, PPO given only its total at the last token (task copy:4, the same
-   total), and GRPO (outcome = the sum); on copy (one score per completion, at the end), PPO and GRPO. Per run:
+1. fits best with: on copy:4:dense (each character is paid, on the token that writes it, what it changes of the
+   copy score: R(y<=t) - R(y<t)), PPO given that dense reward, PPO given only its total at the last token (task
+   copy:4, the same total), and GRPO (outcome = the sum); on copy (one score per completion, at the end), PPO and
+   GRPO. Per run:
    completions sampled and wall time (rollout + update seconds, start-up excluded) until the 10-step mean
    score first reaches a fixed score, and the final score (mean of the last 10% of steps).
 2. credit assignment: one completion of GRPO's seed-1 dump (its last step), its per-token advantage under
@@ -278,8 +279,9 @@ def write_section(runs_dir, elapsed, loaded):
         + (", measured while other jobs shared the 2 cores: compare them with each other, not with a machine "
            "of your own." if loaded else "."), "",
         "### Fits best with: a dense task and an outcome task", "",
-        "`copy:4:dense`: each right character earns its share of the copy score (1 / 4 for a 4-digit answer) on the "
-        "token that writes it. PPO gets it there; PPO \"final score only\" runs task `copy:4`, the same total at the "
+        "`copy:4:dense`: each character is paid, on the token that writes it, what it changes of the copy score "
+        "(R(y<=t) - R(y<t): 1 / 4 for a right one among the 4 digits, a negative amount for one past them). PPO "
+        "gets it there; PPO \"final score only\" runs task `copy:4`, the same total at the "
         "last token; GRPO's outcome is the sum, so its runs on `copy:4:dense` and `copy:4` are the same. `copy`: the "
         "default task, one score per completion (its share of right characters), at the end. Cells: median over the "
         "seeds (min-max); the fixed score is reached when the 10-step mean score first gets there.", "",
