@@ -135,7 +135,7 @@ def load_tokenizer(name, system_prompt=None):
 
 def chat_texts(tokenizer, prompts):
     """Each prompt as a user turn of the chat template, then the assistant's turn; after a system turn of
-    load_tokenizer's `system_prompt` unless None (the template's own: SmolLM2's is 16 of a 46-token prompt)."""
+    load_tokenizer's `system_prompt` unless None (the template's own: SmolLM2's is 21 of a 46-token prompt)."""
     system = getattr(tokenizer, "system_prompt", None)
     turn = [{"role": "system", "content": system}] if system is not None else []
     try:

@@ -10,7 +10,8 @@ It is the same function: each token attends to the same keys and values; only th
 in the matmuls differs (~1e-7 relative in float32). The index is differentiable, so in the update each row's
 gradient flows back into its prompt's one computation, summed over the group as the plain forward's would be.
 Used only where it cannot change a result: a plain attention cache (not a state-space or linear-attention one),
-and no activation checkpointing (which runs a layer again in the backward pass and drops the cache).
+no activation checkpointing (which runs a layer again in the backward pass and drops the cache), and no gradient
+through a model sharded by FSDP (is_sharded).
 """
 
 import inspect
@@ -33,13 +34,21 @@ def cache_argument(model):
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def is_sharded(model):
+    """FSDP (torchrun, distributed.py) frees the gathered weights after each forward call; the backward of the
+    prompt's forward, the first of two, would find them gone. Without gradients, two calls are fine."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def shareable_cache(model):
     """An empty KV cache for `model` if the prompt may be shared through it, else None."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, flag, False):
+    if getattr(model, flag, False) or (torch.is_grad_enabled() and is_sharded(model)):
         return None
     try:
         cache = DynamicCache(config=model.config)

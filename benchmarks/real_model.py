@@ -285,6 +285,8 @@ def main():
                         help="--dtype of grpo.py and ppo.py (its runs are saved as RUN-DTYPE-seedS.json unless auto)")
     parser.add_argument("--eval-every", type=int, default=0, help="--eval-every of grpo.py and ppo.py (eval/accuracy)")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (see LORA_LR_SCALE)")
+    parser.add_argument("--repeats", type=int, default=2, help="speed: timed passes of each step variant")
+    parser.add_argument("--quick", action="store_true", help="speed: only float32, bfloat16 and bfloat16 per row")
     args = parser.parse_args()
     args.gguf = args.gguf or default_gguf()
     if args.table:
@@ -295,7 +297,8 @@ def main():
         import step_speed
 
         settings = dict(GRPO_FLAGS, max_new_tokens=MAX_NEW_TOKENS)
-        return step_speed.main(models.resolve_model_path(args.gguf), TASK, settings, args.out, steps=args.steps or 4)
+        return step_speed.main(models.resolve_model_path(args.gguf), TASK, settings, args.out, args.repeats,
+                               args.steps or 4, args.quick)  # fmt: skip
     if len(runs) == 1 and len(seeds) == 1:
         return one_run(runs[0], seeds[0], args)
     for name in runs:  # each run in its own process, so its peak memory is its own

@@ -20,6 +20,7 @@ import dumps
 import grpo
 import models
 import ppo
+import prompt_cache
 from errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +129,9 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
 
     patch(common, "generate", fixed_generate)
     patch(dumps, "stop_if_not_finite", record)
+    # Each row's prompt computed on its own, on one process as on two: under FSDP the update cannot share it
+    # (prompt_cache.is_sharded), and sharing adds in another order (~1e-7), which Adam's first steps magnify.
+    patch(prompt_cache, "prompt_runs", lambda ids, mask: (torch.arange(len(ids)),) * 2)
     results = []
     for i, config in enumerate(configs):
         settings = dict(BASE[script], **config)
