@@ -7,6 +7,7 @@ surrogate plus a k3 KL term to a frozen reference model.
 
     python grpo.py                                                   # tiny model, copy task, CPU, ~2 min
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k   # a hub model gets HUB_DEFAULTS
+    python grpo.py --model Qwen/Qwen2.5-7B-Instruct --task gsm8k --lora-rank 16 --learning-rate 1e-5   # LoRA, one GPU
     python grpo.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --clip-high 0.28 --loss-agg token-mean                   # DAPO's clip-higher + token mean
     python grpo.py --importance-level sequence --clip-low 3e-4 --clip-high 4e-4   # GSPO

@@ -9,6 +9,7 @@ several epochs over minibatches.
 
     python ppo.py                                                    # tiny model, copy task, CPU, ~3 min
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k    # a hub model gets HUB_DEFAULTS
+    python ppo.py --model Qwen/Qwen2.5-7B-Instruct --task gsm8k --lora-rank 16 --learning-rate 1e-5    # LoRA, one GPU
     python ppo.py --target-kl 0.1                                    # adaptive KL coefficient
 
 Where this departs from the papers:
