@@ -80,10 +80,13 @@ def grpo_expected_gradient(policy, old_policy, d, args):
     per_row, lengths = [], []
     for i, (ids, T) in enumerate(rows(d)):
         logp = row_logprobs(policy, ids, T, args.temperature)
-        old = row_logprobs(old_policy, ids, T, args.temperature).detach() if args.num_iterations > 1 else logp.detach()
+        old = logp.detach()  # mu = 1: the old policy is the current one
+        if args.num_iterations > 1:
+            old = row_logprobs(old_policy, ids, T, args.temperature).detach()
         ref = d["ref_logp"][i, :T]
         ratio = torch.exp(logp - old)
-        surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - args.clip_low, 1 + args.clip_high) * advantages[i])
+        clipped_ratio = ratio.clamp(1 - args.clip_low, 1 + args.clip_high)
+        surrogate = torch.minimum(ratio * advantages[i], clipped_ratio * advantages[i])
         k3 = torch.exp(ref - logp) - 1 - (ref - logp)
         kl = ratio * k3 if args.bias_corrected_kl else k3
         per_row.append((-surrogate + args.beta * kl).sum())
@@ -119,7 +122,8 @@ def test_grpo_gradient_over_micro_batches_is_the_whole_batch_loss_gradient(flags
     expected = grpo_expected_gradient(policy, old_policy, d, args)
     assert_close(flat(clipped[-1][1]), expected)
     if mu == 1:  # the k3 term's gradient is in it: without beta the gradient differs
-        assert (expected - grpo_expected_gradient(policy, old_policy, d, grpo.Args(**{**vars(args), "beta": 0.0}))).abs().max() > 1e-3
+        without_kl = grpo_expected_gradient(policy, old_policy, d, grpo.Args(**{**vars(args), "beta": 0.0}))
+        assert (expected - without_kl).abs().max() > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +153,8 @@ def ppo_row_gradients(policy, critic, old_policy, old_critic, d, args, stats):
                      below=stats["below"] or bool(((ratio < 1 - args.clip_low) & (A < 0)).any()),
                      v_up=stats["v_up"] or bool((value_clipped & (moved > c)).any()),
                      v_down=stats["v_down"] or bool((value_clipped & (moved < -c)).any()))
-        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for m in (policy, critic) for p in m.parameters()]
+        parameters = [*policy.parameters(), *critic.parameters()]
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in parameters]
         out.append((flat(grads), T))
     return out
 
@@ -159,10 +164,11 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     optimizer steps must apply the gradient of the pair of completions its epoch's permutation gives (and of no
     other pair), each epoch must draw its own permutation, and their minibatches must differ."""
     permutations, randperm = [], torch.randperm
-    monkeypatch.setattr(torch, "randperm", lambda n, *a, **k: permutations.append(randperm(n, *a, **k)) or permutations[-1])
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: permutations.append(randperm(*a, **k)) or permutations[-1])
     reward = tmp_path / "signs.py"  # returns of both signs, so values move up and down towards them
     reward.write_text('EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
-                      "def reward(prompt, completion, answer):\n    return 0.5 if ord((completion or 'a')[0]) % 2 else -0.5\n")
+                      "def reward(prompt, completion, answer):\n"
+                      "    return 0.5 if ord((completion or 'a')[0]) % 2 else -0.5\n")
     args = ppo.Args(seed=4, num_steps=1, prompts_per_step=6, max_new_tokens=4, update_epochs=2, num_minibatches=3,
                     micro_batch_size=1, learning_rate=3e-2, critic_learning_rate=1e-3, clip_low=0.02, clip_high=0.03,
                     cliprange_value=0.01, vf_coef=0.5, missing_eos_penalty=0.0, task=f"python:{reward}:reward",
@@ -171,7 +177,8 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     d = load_file(str(tmp_path / "dump" / "step000001.safetensors"))
     policy = models.load_causal_lm(args.model, CPU)
     n_policy, n_flat = len(list(policy.parameters())), sum(p.numel() for p in policy.parameters())
-    updates = [(clipped[i][0] + clipped[i + 1][0], clipped[i][1] + clipped[i + 1][1]) for i in range(0, len(clipped), 2)]
+    pairs_of_calls = zip(clipped[0::2], clipped[1::2])  # each update clips the policy, then the critic
+    updates = [(pol[0] + crit[0], pol[1] + crit[1]) for pol, crit in pairs_of_calls]  # (weights, gradients)
     epochs = [p.tolist() for p in permutations if len(p) == 6]
     assert len(epochs) == args.update_epochs and len(updates) == args.update_epochs * args.num_minibatches
     pairs = [tuple(sorted(perm[i : i + 2])) for perm in epochs for i in (0, 2, 4)]

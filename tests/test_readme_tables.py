@@ -70,7 +70,11 @@ def logged(tmp_path_factory):
     folder = tmp_path_factory.mktemp("logged")
     for script, module in SCRIPTS.items():
         names[script] = set()
-        SummaryWriter.add_scalar = lambda self, tag, *a, _n=names[script], **k: (_n.add(tag), add_scalar(self, tag, *a, **k))
+        def record(self, tag, *args, _names=names[script], **kwargs):
+            _names.add(tag)
+            return add_scalar(self, tag, *args, **kwargs)
+
+        SummaryWriter.add_scalar = record
         try:
             module.main(module.Args(num_steps=1, prompts_per_step=4, eval_every=1, sample_every=0, output_dir=str(folder)))
         finally:

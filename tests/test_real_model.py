@@ -81,9 +81,14 @@ def train(script, tmp_path, **flags):
     module = {"grpo": grpo, "ppo": ppo}[script]
     settings = dict(model=GGUF_FILE, task="addition", num_steps=2, prompts_per_step=2, max_new_tokens=4,
                     save_every=1, sample_every=0, output_dir=str(tmp_path / script), **flags)  # fmt: skip
-    # PPO: 4 tokens rarely hold an answer, and with every score 0 at step 1 (reference = policy, values 0) every
-    # advantage is 0 and nothing moves; the missing-EOS penalty gives the truncated completions a reward.
-    settings.update(dict(group_size=2) if script == "grpo" else dict(num_minibatches=1, update_epochs=1, missing_eos_penalty=0.5))
+    # 4 tokens rarely hold an answer, and with every score 0 at step 1 (reference = policy, values 0) every
+    # advantage is 0 and nothing moves. PPO: the missing-EOS penalty gives the truncated completions a reward;
+    # GRPO: the same addition prompts, scored by the completion's length, so a group's two rewards differ.
+    lengths = tmp_path / "lengths.py"
+    lengths.write_text("from tasks import load_task\nEXAMPLES = load_task('addition').train[:50]\n"
+                       "def reward(prompt, completion, answer):\n    return len(completion) / 100\n")
+    settings.update(dict(group_size=2, task=f"python:{lengths}:reward") if script == "grpo"
+                    else dict(num_minibatches=1, update_epochs=1, missing_eos_penalty=0.5))
     args = module.Args(**settings)
     scores = module.main(args, flags_given=set(settings))
     (run_dir,) = glob.glob(str(tmp_path / script / "*"))

@@ -23,11 +23,13 @@ def test_resume_mid_warmup_and_mid_kl_control_continues_exactly(script, tmp_path
     main(quick_args(script, tmp_path / "whole", num_steps=k + m, **EXTRA[script]))
     main(quick_args(script, tmp_path / "parts", num_steps=k, save_every=k, **EXTRA[script]))
     run_dir = only_run_dir(tmp_path / "parts")
-    main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=os.path.join(run_dir, "checkpoint"), **EXTRA[script]))
+    checkpoint = os.path.join(run_dir, "checkpoint")
+    main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=checkpoint, **EXTRA[script]))
     whole, resumed = logged_scalars(only_run_dir(tmp_path / "whole")), logged_scalars(run_dir)
     lr = EXTRA[script]["learning_rate"]
     assert [s for s, _ in resumed["charts/learning_rate"]] == [1, 2, 3, 4]
-    assert [v for _, v in resumed["charts/learning_rate"]] == pytest.approx([lr * s / 4 for s in (1, 2, 3, 4)], rel=1e-6)
+    rates = [value for _, value in resumed["charts/learning_rate"]]
+    assert rates == pytest.approx([lr * s / 4 for s in (1, 2, 3, 4)], rel=1e-6)
     assert resumed["charts/learning_rate"] == whole["charts/learning_rate"]
     if script == "ppo":
         coefs = [value for _, value in whole["charts/kl_coef"]]

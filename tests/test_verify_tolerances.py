@@ -44,7 +44,10 @@ def gae(batch, args):
     "kl": "def kl(batch, args):\n    return bump(ours.kl(batch, args))\n",
     "per-token loss": "def per_token_loss(batch, args):\n    return bump(ours.per_token_loss(batch, args))\n",
     "loss": "def loss(batch, args):\n    return ours.loss(batch, args) + DELTA\n",
-    "gradient": "def train_loss(model, batch, args, critic=None):\n    return ours.train_loss(model, batch, args, critic) * (1 + DELTA)\n",
+    "gradient": """
+def train_loss(model, batch, args, critic=None):
+    return ours.train_loss(model, batch, args, critic) * (1 + DELTA)
+""",
     "update": """
 def update(model, batch, args):
     ours.update(model, batch, args)
@@ -62,7 +65,8 @@ def test_the_tolerances_are_the_documented_ones():
 def dumps(tmp_path_factory):
     folder = tmp_path_factory.mktemp("near-miss")
     flags = dict(seed=3, prompts_per_step=3, max_new_tokens=4, sample_every=0, output_dir=str(folder / "runs"))
-    grpo.main(grpo.Args(**flags, group_size=4, num_steps=2, learning_rate=1e-2, beta=0.1, dump_dir=str(folder / "grpo")))
+    grpo_flags = dict(group_size=4, num_steps=2, learning_rate=1e-2, beta=0.1, dump_dir=str(folder / "grpo"))
+    grpo.main(grpo.Args(**flags, **grpo_flags))
     ppo.main(ppo.Args(**flags, num_steps=1, num_minibatches=3, dump_dir=str(folder / "ppo")))
     return {"grpo": str(folder / "grpo"), "ppo": str(folder / "ppo")}
 
