@@ -47,7 +47,8 @@ def shareable_cache(model):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    new_name = hasattr(type(model), "is_activation_checkpointing")  # transformers 5.x renamed it
+    flag = "is_activation_checkpointing" if new_name else "is_gradient_checkpointing"
     if getattr(model, flag, False) or (torch.is_grad_enabled() and is_sharded(model)):
         return None
     try:
@@ -75,7 +76,7 @@ def shared_prompt_cache(model, input_ids, attention_mask, position_ids, prompt_l
     if cache is None:
         return None
     n = prompt_length - 1
-    model(input_ids=input_ids[first, :n], attention_mask=attention_mask[first, :n], position_ids=position_ids[first, :n],
-          use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})  # fills `cache`
+    model(input_ids=input_ids[first, :n], attention_mask=attention_mask[first, :n],
+          position_ids=position_ids[first, :n], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
     cache.batch_select_indices(run)  # [g, heads, n, d] -> [B, heads, n, d], each row its run's prompt
     return cache

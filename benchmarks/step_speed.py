@@ -212,6 +212,7 @@ def main(model_dir, task_name, settings, work, repeats=2, steps=4, quick=False):
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     peaks = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
     print(f"matmul peak of one thread: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()), flush=True)
-    print_phase_table(phase_table(model_dir, task_name, settings, repeats, variants=QUICK if quick else tuple(VARIANTS)), peaks)
+    variants = QUICK if quick else tuple(VARIANTS)
+    print_phase_table(phase_table(model_dir, task_name, settings, repeats, variants=variants), peaks)
     against_trl(model_dir, steps, work)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
