@@ -42,8 +42,8 @@ class RunArgs:
     reward_model: Optional[str] = None
     """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 where the GPU or CPU
-    computes it natively, else float32; printed at start with the reason, see precision.py)"""
+    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on a GPU that computes
+    it natively, else float32; printed at start with the reason, see precision.py)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False

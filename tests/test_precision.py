@@ -1,4 +1,5 @@
-"""--dtype auto: bfloat16 where the device multiplies it natively, float32 elsewhere, the reason printed; the
+"""--dtype auto: bfloat16 on a GPU that multiplies it natively, float32 elsewhere (a CPU with native bf16 is named in
+the reason, not yet chosen), the reason printed; the
 choice is a pure function of what the hardware reports, so every case is tested here on any machine."""
 
 import shutil
@@ -15,8 +16,8 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.mark.parametrize("name, device, native, model, expected, reason", [
-    ("auto", "cpu", "AVX-512 BF16", "org/model", BF16, "this CPU computes bfloat16 natively (AVX-512 BF16)"),
-    ("auto", "cpu", "AMX", "model.gguf", BF16, "natively (AMX)"),
+    ("auto", "cpu", "AVX-512 BF16", "org/model", F32, "computes bfloat16 natively (AVX-512 BF16): --dtype bfloat16"),
+    ("auto", "cpu", "AMX", "model.gguf", F32, "natively (AMX): --dtype bfloat16"),
     ("auto", "cpu", None, "org/model", F32, "neither AVX-512 BF16 nor AMX"),
     ("auto", "cpu", "AVX-512 BF16", TINY_MODEL, F32, "tiny model runs in float32"),
     ("auto", "cuda", "bfloat16", TINY_MODEL, BF16, "this GPU computes bfloat16"),
@@ -49,16 +50,16 @@ def test_the_cpu_is_asked_through_torch(monkeypatch, amx, avx512_bf16, onednn, e
 
 def test_the_choice_is_printed_with_its_reason(monkeypatch, capsys):
     monkeypatch.setattr(precision, "native_bf16", lambda device: "AVX-512 BF16")
-    assert precision.resolve_dtype("auto", torch.device("cpu"), "org/model") == BF16
-    assert "dtype: bfloat16 (auto: this CPU computes bfloat16 natively (AVX-512 BF16)" in capsys.readouterr().out
+    assert precision.resolve_dtype("auto", torch.device("cpu"), "org/model") == F32
+    assert "dtype: float32 (auto: float32 on a CPU; this one computes bfloat16 natively" in capsys.readouterr().out
     assert precision.resolve_dtype("float32", torch.device("cpu"), "org/model") == F32
     assert "dtype: float32 (--dtype float32)" in capsys.readouterr().out
 
 
-def test_auto_runs_bfloat16_on_such_a_cpu_and_step_1_kl_stays_0(monkeypatch, tmp_path, capsys):
-    """On a CPU reported to have AVX-512 BF16, the default dtype trains in bfloat16 (a model other than the built-in
-    tiny one: its weights, copied to a folder of another name), and the reference, held like the policy, logs a
-    KL of exactly 0 at step 1."""
+def test_bfloat16_on_such_a_cpu_keeps_step_1_kl_at_0(monkeypatch, tmp_path, capsys):
+    """On a CPU reported to have AVX-512 BF16, --dtype bfloat16 trains under bf16 autocast (a model other than the
+    built-in tiny one: its weights, copied to a folder of another name), and the reference, held like the policy,
+    logs a KL of exactly 0 at step 1."""
     import models
     from test_reproducibility import logged_scalars, only_run_dir
 
@@ -66,7 +67,7 @@ def test_auto_runs_bfloat16_on_such_a_cpu_and_step_1_kl_stays_0(monkeypatch, tmp
     folder = str(tmp_path / "model")
     shutil.copytree(models.resolve_model_path(TINY_MODEL), folder)
     args = grpo.Args(model=folder, preset="tiny", num_steps=1, prompts_per_step=4, group_size=4, sample_every=0,
-                     output_dir=str(tmp_path / "runs"))  # fmt: skip
+                     dtype="bfloat16", output_dir=str(tmp_path / "runs"))  # fmt: skip
     grpo.main(args)
-    assert "dtype: bfloat16 (auto: this CPU computes bfloat16 natively" in capsys.readouterr().out
+    assert "dtype: bfloat16 (--dtype bfloat16)" in capsys.readouterr().out
     assert logged_scalars(only_run_dir(tmp_path / "runs"))["losses/kl_ref"] == [(1, 0.0)]
