@@ -35,6 +35,7 @@ from tqdm import tqdm
 import bookkeeping
 import checkpoints
 import common
+import scoring
 import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 import dumps
 import lora
@@ -302,7 +303,7 @@ def compute_rewards(batch, args, mean=common.masked_mean):
     task's reward on the tokens that earned it). The entry point the loop and verify.py's self-check call."""
     mask = batch["completion_mask"]
     has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)  # [N]
-    penalty = common.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
+    penalty = scoring.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
     rewards = -batch["kl_coef"] * kl + (batch["token_scores"] - penalty)
     if args.whiten_rewards:  # scale only, the mean is kept (departure 6)

@@ -201,6 +201,7 @@ def credit_example(runs_dir):
     from safetensors.torch import load_file
 
     import common
+    import scoring
     import models
     import ppo
     from tasks import load_task
@@ -233,9 +234,9 @@ def credit_example(runs_dir):
         critic = ppo.load_critic(os.path.join(run_dir(runs_dir, name, 1), sub, "critic"), torch.device("cpu"))
         with torch.no_grad():
             values = ppo.token_values(critic, ids, attention, mask)
-        token_rewards = common.score_tokens(load_task(task), tokenizer, prompts[rows], completions[rows],
+        token_rewards = scoring.score_tokens(load_task(task), tokenizer, prompts[rows], completions[rows],
                                             [prompts[i].removesuffix("=")], d["completion_ids"][rows], mask)
-        token_rewards -= common.score_at_last_token(torch.tensor([0.0 if has_eos else 0.3]), mask)
+        token_rewards -= scoring.score_at_last_token(torch.tensor([0.0 if has_eos else 0.3]), mask)
         advantages, _ = ppo.compute_gae(token_rewards, values, mask, 1.0, 0.95)
         result[f"PPO GAE, {'dense reward' if name == 'ppo-dense' else 'final score only'}"] = advantages[0][mask[0].bool()]
     n = int(mask.sum())

@@ -71,6 +71,7 @@ class Phases:
 def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, phase):
     """grpo.py's step (num_iterations 1): the same calls on the same batch layout, timed by `phase`."""
     import common
+    import scoring
     import grpo
     import models
 
@@ -82,7 +83,7 @@ def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, ph
             prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
                 policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids)
         completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-        rewards = common.score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask).sum(1)
+        rewards = scoring.score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask).sum(1)
         advantages = grpo.group_advantages(rewards, args.group_size, args.scale_rewards)
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(prompts), args.micro_batch_size)]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import scoring
 import grpo
 import models
 import ppo
@@ -47,7 +48,7 @@ def batch(tokenizer, completions, eos=True, pad_left=0):
 def score(tokenizer, reward_fn, completions, **kw):
     ids, mask = batch(tokenizer, completions, **kw)
     n = len(completions)
-    return common.score_tokens(task_of(reward_fn), tokenizer, ["p="] * n, completions, ["a"] * n, ids, mask), mask
+    return scoring.score_tokens(task_of(reward_fn), tokenizer, ["p="] * n, completions, ["a"] * n, ids, mask), mask
 
 
 def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer):
@@ -79,7 +80,7 @@ def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes
     ids, mask = batch(tokenizer, [text], pad_left=pad_left)
     real_ids = ids[0][mask[0].bool()].tolist()
     assert len(real_ids) == 5
-    assert common.token_ends(tokenizer, real_ids, text) == [1, 1, 2, 3, 3]
+    assert scoring.token_ends(tokenizer, real_ids, text) == [1, 1, 2, 3, 3]
 
     seen = {}
 
@@ -87,7 +88,7 @@ def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes
         seen.setdefault("tokens", tokens)  # the completion's (its prefixes follow, for the causality check)
         return [s for s in [(1, 2, 0.5), (2, 3, 0.25), (0, 3, 1.0)] if s[1] <= len(completion)]
 
-    placed = common.score_tokens(task_of(reward), tokenizer, ["p"], [text], ["a"], ids, mask)
+    placed = scoring.score_tokens(task_of(reward), tokenizer, ["p"], [text], ["a"], ids, mask)
     P = pad_left
     expected = torch.zeros_like(placed)
     expected[0, P + 2] = 0.5  # é is complete at its second byte's token
@@ -107,10 +108,10 @@ def test_a_dense_reward_that_is_not_causal_gets_one_line(tiny_tokenizer):
     ids, mask = batch(tiny_tokenizer, ["12345", "12"])
     with pytest.raises(UsageError, match=r"is not causal: on prompt '1234=', the first 1 token\(s\) of completion "
                                          r"'12345' were paid 0.2 in all, but it gives their text '1' 0.25") as e:
-        common.score_tokens(task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2,
+        scoring.score_tokens(task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2,
                             ids, mask)  # fmt: skip
     assert "\n" not in str(e.value)
-    placed = common.score_tokens(task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"],
+    placed = scoring.score_tokens(task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"],
                                  ["1234"] * 2, ids, mask)  # fmt: skip
     assert placed[0].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, -0.2, 0])  # the 5 pays on its own token
 
@@ -119,10 +120,10 @@ def test_per_token_values_are_checked_on_the_prefixes_they_are_given(tiny_tokeni
     """A function taking `tokens` sees each prefix's tokens; paying the last token for the length is not causal."""
     causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]  # noqa: E731
     ids, mask = batch(tiny_tokenizer, ["121"])
-    assert common.score_tokens(task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask).sum() == pytest.approx(0.2)
+    assert scoring.score_tokens(task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask).sum() == pytest.approx(0.2)
     by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]  # noqa: E731
     with pytest.raises(UsageError, match="is not causal"):
-        common.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
+        scoring.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
 
 
 def test_copy_dense_reward_is_the_increase_of_copy_reward_on_each_prefix():
@@ -167,7 +168,7 @@ def test_bad_dense_rewards_get_one_line_errors_naming_the_prompt(tiny_tokenizer,
     value, message = BAD[case]
     ids, mask = batch(tiny_tokenizer, ["123"])
     with pytest.raises(UsageError, match=message) as e:
-        common.score_tokens(task_of(lambda p, c, a: value), tiny_tokenizer, ["12="], ["123"], ["12"], ids, mask)
+        scoring.score_tokens(task_of(lambda p, c, a: value), tiny_tokenizer, ["12="], ["123"], ["12"], ids, mask)
     assert "\n" not in str(e.value) and "'12='" in str(e.value)
 
 

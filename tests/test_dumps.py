@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import scoring
 import grpo
 import models
 import ppo
@@ -150,7 +151,7 @@ def check_ppo_dump(meta, d, eos_ids):
     has_eos = (torch.isin(d["completion_ids"], torch.tensor(eos_ids)) & mask.bool()).any(1)
     penalised = d["scores"] - a["missing_eos_penalty"] * (~has_eos).float()
     kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], a["kl_estimator"]) * mask
-    rewards = -d["kl_coef"] * kl + common.score_at_last_token(penalised, mask)
+    rewards = -d["kl_coef"] * kl + scoring.score_at_last_token(penalised, mask)
     if a.get("whiten_rewards"):
         rewards = whiten_scale_only(rewards, mask)
     close(d["rewards"], rewards)

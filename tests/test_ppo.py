@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import scoring
 import models
 import ppo
 
@@ -80,7 +81,7 @@ def test_gae_never_bootstraps_from_padding():
     ],
 )
 def test_score_lands_on_last_real_token(mask, position):
-    placed = common.score_at_last_token(torch.tensor([2.5]), torch.tensor([mask]))
+    placed = scoring.score_at_last_token(torch.tensor([2.5]), torch.tensor([mask]))
     expected = torch.zeros(1, 5)
     expected[0, position] = 2.5
     torch.testing.assert_close(placed, expected)
@@ -91,7 +92,7 @@ def test_score_lands_on_first_eos_when_pad_equals_eos():
     eos = 1
     completion_ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
     mask = common.mask_after_eos(completion_ids, [eos])
-    placed = common.score_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
+    placed = scoring.score_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
     assert placed.nonzero().tolist() == [[0, 2], [1, 1], [2, 4]]
     assert placed.sum().item() == 6.0
 
