@@ -146,7 +146,7 @@ in the row's tolerance kind (relative: over the largest of ours); `-` is a check
 mode has no such quantity: run verify.py for the reason). Tolerances: {tolerances}. A failing row lists the
 known differences its flags switch on; the aligned row under it shows whether they are the whole story; "(known)"
 is a difference the adapter declares and the row accepts (`--accept`). A `*` marks a row whose dump never
-exercised a branch it checks (verify.py names it): the "recommended" modes exercise every one.
+exercised a branch it checks (verify.py names it): verify.py's recommended dumps exercise every one.
 
 """
     os.makedirs(os.path.dirname(opts.output), exist_ok=True)
