@@ -317,9 +317,12 @@ def make_writer(run_dir, args, first_step, **models):
     return writer
 
 
-def log_losses(writer, step, updates, args):
-    for key, value in logged_losses(updates, args).items():
-        writer.add_scalar(f"losses/{key}", value, step)
+def log_step(writer, step, scalars, updates, args, timer, total_tokens, device):
+    """One step's scalars: the loop's own (`scalars`), the losses of its updates, and the time and memory."""
+    scalars = dict(scalars, **{f"losses/{key}": value for key, value in logged_losses(updates, args).items()})
+    for name, value in scalars.items():
+        writer.add_scalar(name, float(value), step)
+    log_perf(writer, step, timer, total_tokens, device)
 
 
 def logged_losses(updates, args):

@@ -12,6 +12,7 @@ import random
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 import distributed as dist
 import models
@@ -133,6 +134,13 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     return dict(prompts=prompts, answers=answers, completions=completions, prompt_ids=prompt_ids,
                 prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
                 token_scores=token_scores, rewards=token_scores.sum(1))  # fmt: skip
+
+
+def print_samples(step, batch, per_prompt, every, count=3):
+    """--sample-every: the first completion of a few prompts, with its reward (at step 1 and every `every` steps)."""
+    if every and (step % every == 0 or step == 1):
+        for i in range(0, min(len(batch["prompts"]), count * per_prompt), per_prompt):
+            tqdm.write(f"step {step} | {batch['prompts'][i]!r} -> {batch['completions'][i]!r} | score {batch['rewards'][i].item():.2f}")
 
 
 def concat_batches(a, b):

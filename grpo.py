@@ -343,32 +343,23 @@ def main(args, flags_given=()):
 
         # LOGGING: the same names in grpo.py and ppo.py.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        score_mean = all_rewards.mean().item()  # GRPO's reward is the task score: its KL is in the loss, not the reward
-        history["score"].append(score_mean)
         lengths = dist.gather(b_mask.sum(1).float())
+        history["score"].append(all_rewards.mean().item())  # GRPO's reward is the task score: its KL is in the loss
         history["length"].append(lengths.mean().item())
-        writer.add_scalar("charts/score", score_mean, step)
-        writer.add_scalar("charts/reward_std", all_rewards.std().item(), step)
-        writer.add_scalar("charts/sampled_completions", rounds * args.prompts_per_step * args.group_size, step)
-        writer.add_scalar("charts/informative_groups", (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean().item(), step)
-        writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
-        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
-        scheduler.step()  # after logging the rate this step's updates used
-        bookkeeping.log_losses(writer, step, updates, args)
         baseline = all_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
-        explained_variance = common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)).item()
-        writer.add_scalar("losses/explained_variance", explained_variance, step)
-        writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
-        bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
-        pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
-        if args.sample_every and (step % args.sample_every == 0 or step == 1):
-            for i in range(0, min(N, 3 * args.group_size), args.group_size):
-                tqdm.write(f"step {step} | {sampled['prompts'][i]!r} -> {sampled['completions'][i]!r} | score {rewards[i].item():.2f}")
-        if args.eval_every and step % args.eval_every == 0:
+        scalars = {"charts/score": history["score"][-1], "charts/reward_std": all_rewards.std(),
+                   "charts/sampled_completions": rounds * args.prompts_per_step * args.group_size,
+                   "charts/informative_groups": (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean(),
+                   "charts/completion_length": lengths.mean(), "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                   "losses/explained_variance": common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)),
+                   "losses/grad_norm": dist.local(grad_norm)}  # fmt: skip
+        if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             with common.autocast(device, dtype), dist.full_weights(policy):
-                metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
+                scalars.update(common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template))
+        bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
+        scheduler.step()  # after logging the rate this step's updates used
+        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
+        common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history)

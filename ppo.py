@@ -465,32 +465,22 @@ def main(args, flags_given=()):
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
         scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
-        score_mean = scores.mean().item()
-        history["score"].append(score_mean)
+        history["score"].append(scores.mean().item())
         history["length"].append(lengths.mean().item())
-        writer.add_scalar("charts/reward", seq_rewards.mean().item(), step)  # score - EOS penalty + KL penalty
-        writer.add_scalar("charts/score", score_mean, step)
-        writer.add_scalar("charts/reward_std", seq_rewards.std().item(), step)
-        writer.add_scalar("charts/completion_length", lengths.mean().item(), step)
-        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], step)
-        scheduler.step()  # after logging the rate this step's updates used
-        writer.add_scalar("charts/kl_coef", kl_coef, step)
-        bookkeeping.log_losses(writer, step, updates, args)
+        scalars = {"charts/reward": seq_rewards.mean(), "charts/score": history["score"][-1],  # reward: score - penalties
+                   "charts/reward_std": seq_rewards.std(), "charts/completion_length": lengths.mean(),
+                   "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/kl_coef": kl_coef,
+                   "losses/explained_variance": common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean),
+                   "losses/grad_norm": dist.local(grad_norm)}  # fmt: skip
         if ref_model is not None:
-            writer.add_scalar("losses/kl_ref", dist.masked_mean(kl, b_mask).item(), step)
-        explained_variance = common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean).item()
-        writer.add_scalar("losses/explained_variance", explained_variance, step)
-        writer.add_scalar("losses/grad_norm", dist.local(grad_norm).item(), step)
-        bookkeeping.log_perf(writer, step, timer, history["tokens"], device)
-        pbar.set_postfix(score=f"{score_mean:.3f}", len=f"{lengths.mean().item():.1f}")
-        if args.sample_every and (step % args.sample_every == 0 or step == 1):
-            for i in range(0, min(N, 3 * args.samples_per_prompt), args.samples_per_prompt):
-                tqdm.write(f"step {step} | {sampled['prompts'][i]!r} -> {sampled['completions'][i]!r} | score {scores[i].item():.2f}")
-        if args.eval_every and step % args.eval_every == 0:
+            scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
+        if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             with common.autocast(device, dtype), dist.full_weights(policy):
-                metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
+                scalars.update(common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template))
+        bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
+        scheduler.step()  # after logging the rate this step's updates used
+        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
+        common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
         kl_coef = next_kl_coef(rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, trained, tokenizer,
