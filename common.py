@@ -284,6 +284,21 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=masked_mean):
+    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only
+    (`mean`: under torchrun distributed.masked_mean, over every process's).
+
+    With shift_mean=False the mean is added back, so only the scale changes (--whiten-rewards). Masked
+    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), masked.
+    """
+    x_mean = mean(x, mask)
+    var = mean((x - x_mean) ** 2, mask)
+    whitened = (x - x_mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + x_mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
 def select_rows(batch, rows):
     """The rows `rows` (a slice or an index tensor) of every per-completion tensor and list of a batch dict (those
     as long as its completion_mask); other entries (None, counts, per-step scalars) are kept as they are."""

@@ -270,9 +270,8 @@ def main(args, flags_given=()):
     policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
     if args.gradient_checkpointing:
         common.set_activation_checkpointing(policy, True)
-    # The reference only enters the loss through beta * KL; with beta = 0 it is not even loaded. It is held like
-    # the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
-    # With LoRA it is the policy with its adapters off: the frozen base itself, no second copy.
+    # The reference only enters through beta * KL in the loss (beta 0: not loaded). Held like the policy (float32, the
+    # same autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.beta > 0 else None
     scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     models.check_vocabulary(tokenizer, task, args.model)
@@ -285,7 +284,7 @@ def main(args, flags_given=()):
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = 1, {"score": [], "length": [], "tokens": 0}
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
-        lora.restore_weights(policy, os.path.join(args.resume, "policy"), lambda f: models.load_causal_lm(f, models.CPU))
+        lora.restore_weights(policy, os.path.join(args.resume, "policy"), models.load_causal_lm)
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")

@@ -138,9 +138,9 @@ def load_adapters(model, folder):
 
 def restore_weights(model, folder, load):
     """A checkpoint's weights into `model`: with LoRA its adapters (and a critic's value head, saved beside them;
-    the frozen base is the one --model loaded), else the whole model as `load(folder)` reads it."""
+    the frozen base is the one --model loaded), else the whole model as `load(folder, models.CPU)` reads it."""
     if not has_adapters(model):
-        return dist.load_state_dict(model, load(folder).state_dict())
+        return dist.load_state_dict(model, load(folder, models.CPU).state_dict())
     load_adapters(getattr(model, "backbone", model), folder)
     if hasattr(model, "value_head"):
         models.load_head(model.value_head, folder, next(model.parameters()).device)

@@ -125,7 +125,8 @@ class Args(bookkeeping.RunArgs):
 # learning rate); a flag given on the command line wins. Printed at start.
 HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
                     update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8)
-DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")  # of one micro-batch
+# A dump keeps these of the last update's first micro-batch (the models have moved), and every minibatch's rows.
+DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 
 
 def check_args(args):
@@ -136,9 +137,8 @@ def check_args(args):
     batch_size = args.prompts_per_step * args.samples_per_prompt
     per_process = batch_size // dist.world_size()
     if per_process % args.num_minibatches:
-        where = " per process" if dist.world_size() > 1 else ""
-        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions{where}: "
-                         "pick a divisor")
+        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions"
+                         f"{' per process' if dist.world_size() > 1 else ''}: pick a divisor")
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
     bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
@@ -236,21 +236,6 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, (advantages + values) * mask
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8, mean=common.masked_mean):
-    """(x - mean) / sqrt(var + eps) with mean and (population) variance taken over real positions only
-    (`mean`: under torchrun distributed.masked_mean, over every process's).
-
-    With shift_mean=False the mean is added back, so only the scale changes (--whiten-rewards). Masked
-    positions come back as 0. Source: the `whiten` of Ziegler et al. 2019 (lm-human-preferences), masked.
-    """
-    x_mean = mean(x, mask)
-    var = mean((x - x_mean) ** 2, mask)
-    whitened = (x - x_mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + x_mean
-    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
-
-
 def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
     """Per-token PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), a loss to minimise:
 
@@ -307,7 +292,7 @@ def compute_rewards(batch, args, mean=common.masked_mean):
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
     rewards = -batch["kl_coef"] * kl + (batch["token_scores"] - penalty)
     if args.whiten_rewards:  # scale only, the mean is kept (departure 6)
-        rewards = masked_whiten(rewards, mask, shift_mean=False, mean=mean)
+        rewards = common.masked_whiten(rewards, mask, shift_mean=False, mean=mean)
     return rewards, kl
 
 
@@ -325,7 +310,7 @@ def compute_advantages(batch, args, mean=common.masked_mean):
     tokens (`mean`: under torchrun, every process's). The entry point the loop and verify.py's self-check call."""
     mask = batch["completion_mask"]
     advantages, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, args.lam)
-    return masked_whiten(advantages, mask, eps=args.adv_eps, mean=mean), returns
+    return common.masked_whiten(advantages, mask, eps=args.adv_eps, mean=mean), returns
 
 
 def compute_loss(outputs, batch, args):
@@ -368,14 +353,11 @@ def main(args, flags_given=()):
     # With --vf-coef 0 none is loaded and every value is 0 (token_values), as a critic never trained would give.
     critic = load_critic(args.critic_model or args.model, device, args) if args.vf_coef > 0 else None
     trained = {name: model for name, model in (("policy", policy), ("critic", critic)) if model is not None}
-    if args.gradient_checkpointing:
-        for model in trained.values():
-            common.set_activation_checkpointing(getattr(model, "backbone", model), True)
-    # The reference only enters through the KL penalty in the reward; with no penalty it is not even loaded. It is
-    # held like the policy (float32 weights, the same autocast), so at step 1 the two compute the same log-probs: KL 0.
-    # With LoRA it is the policy with its adapters off: the frozen base itself, no second copy.
-    use_ref = args.kl_coef > 0 or args.target_kl is not None
-    ref_model = lora.reference(policy, args, device) if use_ref else None
+    for model in trained.values() if args.gradient_checkpointing else ():
+        common.set_activation_checkpointing(getattr(model, "backbone", model), True)
+    # The reference only enters through the KL penalty (none: not loaded). Held like the policy (float32, the same
+    # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
+    ref_model = lora.reference(policy, args, device) if args.kl_coef > 0 or args.target_kl is not None else None
     scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
     models.check_vocabulary(tokenizer, task, args.model)
     models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
@@ -389,9 +371,8 @@ def main(args, flags_given=()):
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
-        loaders = {"policy": lambda f: models.load_causal_lm(f, models.CPU), "critic": lambda f: load_critic(f, models.CPU)}
-        for name, model in trained.items():
-            lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
+        for name, model in trained.items():  # each from its own folder of the checkpoint
+            lora.restore_weights(model, os.path.join(args.resume, name), load_critic if name == "critic" else models.load_causal_lm)
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
@@ -410,14 +391,12 @@ def main(args, flags_given=()):
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
             N = len(scores)
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
-            with torch.no_grad(), common.autocast(device, dtype):
-                # Old log-probs, reference log-probs and values: computed once, before any update.
-                forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
-                    model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature) for m in micro_batches])
-                b_old_logp = forward(policy)
-                b_ref_logp = forward(ref_model) if ref_model else b_old_logp
-                b_values = torch.cat([token_values(critic, b_input_ids[m], b_attention_mask[m], b_mask[m])
-                                      for m in micro_batches])  # fmt: skip
+            with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
+                forward = lambda fn, model: torch.cat([fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m])  # noqa: E731
+                                                       for m in micro_batches])  # fmt: skip
+                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)  # noqa: E731
+                b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
+                b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
 
             rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
                            scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
@@ -456,7 +435,6 @@ def main(args, flags_given=()):
                         updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm, *critic_grad_norm = [torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                                                     for model in trained.values()]  # each model's own, policy first
-                    # Dumped: the last update's first micro-batch (the models have moved), every minibatch's rows in order.
                     dump = dumps.batch_dump(rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
                     dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm))
                     optimizer.step()

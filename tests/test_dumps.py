@@ -157,7 +157,7 @@ def check_ppo_dump(meta, d, eos_ids):
     close(d["rewards"], rewards)
     advantages, returns = ppo.compute_gae(rewards, d["values"], mask, a["gamma"], a["lam"])
     close(d["returns"], returns)
-    advantages = ppo.masked_whiten(advantages, mask)
+    advantages = common.masked_whiten(advantages, mask)
     close(d["advantages"], advantages)
 
     # The first micro-batch (rows micro_index) of the last minibatch (rows minibatch_index) of the last epoch, and

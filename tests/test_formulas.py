@@ -87,19 +87,19 @@ def test_masked_whiten_matches_a_loop_over_real_positions(shift_mean):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=g) * 3 + 2
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 0]])
-    torch.testing.assert_close(ppo.masked_whiten(x, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
+    torch.testing.assert_close(common.masked_whiten(x, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
     # Whatever sits at masked positions does not change the result.
     noisy = torch.where(mask.bool(), x, torch.full_like(x, 1e6))
-    torch.testing.assert_close(ppo.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
+    torch.testing.assert_close(common.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
 
 
 def test_masked_whiten_without_shift_keeps_the_mean():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 5, generator=g) * 4 + 7
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    out = ppo.masked_whiten(x, mask, shift_mean=False)
+    out = common.masked_whiten(x, mask, shift_mean=False)
     assert common.masked_mean(out, mask).item() == pytest.approx(common.masked_mean(x, mask).item(), abs=1e-5)
-    centred = ppo.masked_whiten(x, mask)
+    centred = common.masked_whiten(x, mask)
     assert common.masked_mean(centred, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert common.masked_mean(centred**2, mask).item() == pytest.approx(1.0, abs=1e-5)
 

@@ -133,7 +133,7 @@ def test_whitening_ignores_masked_positions():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     real = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     expected = (real - real.mean()) / torch.sqrt(real.var(unbiased=False) + 1e-8)
-    out = ppo.masked_whiten(x, mask)
+    out = common.masked_whiten(x, mask)
     torch.testing.assert_close(out[mask.bool()], expected)
     assert (out[~mask.bool()] == 0).all()
 
