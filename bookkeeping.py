@@ -319,10 +319,9 @@ def make_writer(run_dir, args, first_step, **models):
 
 def log_step(writer, step, scalars, updates, args, timer, total_tokens, device):
     """One step's scalars: the loop's own (`scalars`), the losses of its updates, and the time and memory."""
-    scalars = dict(scalars, **{f"losses/{key}": value for key, value in logged_losses(updates, args).items()})
-    for name, value in scalars.items():
+    losses = {f"losses/{key}": value for key, value in logged_losses(updates, args).items()}
+    for name, value in dict(scalars, **losses, **perf_scalars(timer, total_tokens, device)).items():
         writer.add_scalar(name, float(value), step)
-    log_perf(writer, step, timer, total_tokens, device)
 
 
 def logged_losses(updates, args):
@@ -349,12 +348,9 @@ def logged_losses(updates, args):
 def token_means(terms, args):
     """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's critic."""
     mask, logratio = terms["mask"], terms["logratio"]
-    means = dict(
-        policy_loss=masked_mean(terms["pg_loss"], mask),
-        approx_kl=approx_kl(logratio, mask),
-        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
-        entropy=masked_mean(terms["entropy"], mask),
-    )
+    means = dict(policy_loss=masked_mean(terms["pg_loss"], mask), approx_kl=approx_kl(logratio, mask),
+                 clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
+                 entropy=masked_mean(terms["entropy"], mask))
     if "kl_ref" in terms:
         means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
     if "v_loss" in terms:
@@ -363,11 +359,11 @@ def token_means(terms, args):
     return means
 
 
-def log_perf(writer, step, timer, total_tokens, device):
-    writer.add_scalar("perf/rollout_seconds", timer.seconds.get("rollout", 0.0), step)
-    writer.add_scalar("perf/train_seconds", timer.seconds.get("train", 0.0), step)
-    writer.add_scalar("perf/tokens_per_second", total_tokens / max(sum(timer.seconds.values()), 1e-9), step)
-    writer.add_scalar("perf/peak_memory_gb", peak_memory_gb(device), step)
+def perf_scalars(timer, total_tokens, device):
+    seconds = timer.seconds
+    return {"perf/rollout_seconds": seconds.get("rollout", 0.0), "perf/train_seconds": seconds.get("train", 0.0),
+            "perf/tokens_per_second": total_tokens / max(sum(seconds.values()), 1e-9),
+            "perf/peak_memory_gb": peak_memory_gb(device)}
 
 
 def print_summary(script, history, seconds, device, final_dir):

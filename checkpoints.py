@@ -25,8 +25,7 @@ from errors import UsageError
 
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
-RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir",
-                     "lora_merged"}
+RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir", "lora_merged"}
 # Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
 # 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).
 CHECKPOINT_VERSION = 2

@@ -23,7 +23,7 @@ def load_bench():
 def test_measure_leaves_out_the_warmup_step():
     bench = load_bench()
     args = SimpleNamespace(prompts_per_step=2, group_size=4, update_epochs=2, peak_tflops=1.0, nproc=1)
-    scalars = {  # cumulative seconds, as bookkeeping.log_perf writes them; step 1 is slow (warm-up)
+    scalars = {  # cumulative seconds, as bookkeeping.perf_scalars gives them; step 1 is slow (warm-up)
         "perf/rollout_seconds": {1: 10.0, 2: 12.0, 3: 14.0},
         "perf/train_seconds": {1: 5.0, 2: 6.0, 3: 7.0},
         "perf/peak_memory_gb": {1: 1.0, 2: 1.5, 3: 1.25},
