@@ -89,7 +89,7 @@ def wrap(model, args, task_type="CAUSAL_LM"):
         return model
     peft = import_peft()
     config = lora_config(args, task_type)
-    config.base_model_name_or_path = models.resolve_model_path(_arg(args, "model"))
+    config.base_model_name_or_path = getattr(model, "name_or_path", None)  # the folder it was loaded from
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_arg(args, "seed"))  # the same initial A on every run of this seed (and in verify.py)
         try:
