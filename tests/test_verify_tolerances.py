@@ -1,7 +1,8 @@
 """verify.py fails each row on a near miss: off by 1.5 times that row's tolerance (an absolute row: one value
 moved by it; a relative row: every value scaled by 1 + it; the update: scaled from a first, larger miss), while
 a miss of half the tolerance passes. The reference's log-probs are compared too: a dump whose ref_logp is off
-fails the log-probs row. Exit status 1 is a failed check (2: bad input, 3: an adapter mistake)."""
+fails the log-probs row, and so does an adapter whose reference log-probs alone are off. Exit status 1 is a
+failed check (2: bad input, 3: an adapter mistake)."""
 
 import re
 import shutil
@@ -109,6 +110,28 @@ def test_a_near_miss_of_the_update_fails(dumps, capsys, tmp_path):
     assert code == 1 and result.startswith("FAIL"), out
     code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-2 * 0.5 * tolerance / miss)
     assert code == 0 and result.split(";")[0] == "pass", out  # perhaps noting a branch this dump never exercised
+
+
+REFERENCE_ONLY = """
+INITIAL = {}
+
+def setup(args, options, model):
+    INITIAL["weight"] = model.get_output_embeddings().weight.detach().clone()
+
+def token_logprobs(model, batch, args):  # moved only where the model is the initial one, the reference
+    logp = ours.token_logprobs(model, batch, args)
+    return bump(logp) if torch.equal(model.get_output_embeddings().weight, INITIAL["weight"]) else logp
+"""
+
+
+def test_a_near_miss_of_the_reference_log_probs_fails(dumps, capsys, tmp_path):
+    """An adapter whose reference log-probs alone are off (the policy has moved by the first check: mu = 2)."""
+    tolerance = DOCUMENTED["log-probs"][1]
+    for delta, expected_code in ((1.5 * tolerance, 1), (0.5 * tolerance, 0)):
+        path = tmp_path / f"reference_{expected_code}.py"
+        path.write_text(ADAPTER.format(delta=delta) + REFERENCE_ONLY)
+        code, out, _ = run(capsys, dumps["grpo"], "--against", path)
+        assert code == expected_code and rows(out)["log-probs"].startswith("FAIL" if code else "pass"), out
 
 
 @pytest.mark.parametrize("key", ["new_logp", "ref_logp"])
