@@ -192,4 +192,4 @@ def test_verify_against_self_passes_on_a_lora_dump(script, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "all checks that ran passed" in table and "| gradient |" in table
     if script == "grpo":
-        assert "| update | 1,2 |" in table and "| log-probs | 1,2,3 |" in table  # each update scored by the next step
+        assert "| update | 1,2 |" in table and "| log-probs | 1,2,3 |" in table  # scored by the next step

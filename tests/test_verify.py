@@ -416,7 +416,7 @@ def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
     ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, ent_coef=0.5,
                       output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump")))  # fmt: skip
     code, out, _ = run(capsys, tmp_path / "dump", "--against", "self")
-    passes = [rows(out)[q].split(";")[0] == "pass" for q in ("per-token loss", "gradient")]  # perhaps a note after ";"
+    passes = [rows(out)[q].split(";")[0] == "pass" for q in ("per-token loss", "gradient")]  # a note may follow
     assert code == 0 and all(passes), out
 
 
