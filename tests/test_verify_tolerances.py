@@ -1,6 +1,8 @@
-"""verify.py fails each row on a near miss: one value off by 1.5 times that row's tolerance (the update: off by
-1.5 times, scaled from a first, larger miss), while a miss of half the tolerance passes. The reference's
-log-probs are compared too: a dump whose ref_logp is off fails the log-probs row."""
+"""verify.py fails each row on a near miss: off by 1.5 times that row's tolerance (an absolute row: one value
+moved by it; a relative row: every value scaled by 1 + it; the update: scaled from a first, larger miss), while
+a miss of half the tolerance passes. The reference's log-probs are compared too: a dump whose ref_logp is off
+fails the log-probs row, and so does an adapter whose reference log-probs alone are off. Exit status 1 is a
+failed check (2: bad input, 3: an adapter mistake)."""
 
 import re
 import shutil
@@ -14,8 +16,10 @@ import verify
 from test_verify import rows, run
 
 # verify.py's tolerances as documented (README, "Tolerances"; verify.py): written here, so a loosened one fails
-DOCUMENTED = {"advantages": 1e-6, "returns": 1e-6, "log-probs": 1e-5, "kl": 1e-6, "per-token loss": 1e-6,
-              "loss": 1e-6, "gradient": 1e-5, "update": 1e-4}  # fmt: skip
+DOCUMENTED = {"advantages": ("rel", 1e-5), "rewards": ("abs", 1e-6), "returns": ("abs", 1e-6),
+              "kl_coef": ("rel", 1e-6), "log-probs": ("abs", 1e-5), "kl": ("rel", 1e-6),
+              "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5),
+              "update": ("abs", 1e-3)}  # fmt: skip
 ADAPTER = """
 import torch
 import verify
@@ -26,22 +30,27 @@ def bump(x):
     x = torch.as_tensor(x).clone()
     x.view(-1)[0] += DELTA  # the first completion's first token (always a real one)
     return x
+
+def scale(x):
+    return torch.as_tensor(x) * (1 + DELTA)  # the largest value moves by DELTA times itself: a relative miss
 """
 OVERRIDES = {  # quantity: the adapter's functions, each ours with one value moved by DELTA
     "advantages": """
 def group_advantages(batch, args):
-    return bump(ours.group_advantages(batch, args))
+    return scale(ours.group_advantages(batch, args))
 def gae(batch, args):
     advantages, returns = ours.gae(batch, args)
-    return bump(advantages), returns
+    return scale(advantages), returns
 """,
+    "rewards": "def rewards(batch, args):\n    return bump(ours.rewards(batch, args))\n",
     "returns": """
 def gae(batch, args):
     advantages, returns = ours.gae(batch, args)
     return advantages, bump(returns)
 """,
     "log-probs": "def token_logprobs(model, batch, args):\n    return bump(ours.token_logprobs(model, batch, args))\n",
-    "kl": "def kl(batch, args):\n    return bump(ours.kl(batch, args))\n",
+    "kl_coef": "def kl_coef(batch, args):\n    return scale(ours.kl_coef(batch, args))\n",
+    "kl": "def kl(batch, args):\n    return scale(ours.kl(batch, args))\n",
     "per-token loss": "def per_token_loss(batch, args):\n    return bump(ours.per_token_loss(batch, args))\n",
     "loss": "def loss(batch, args):\n    return ours.loss(batch, args) + DELTA\n",
     "gradient": """
@@ -49,8 +58,8 @@ def train_loss(model, batch, args, critic=None):
     return ours.train_loss(model, batch, args, critic) * (1 + DELTA)
 """,
     "update": """
-def update(model, batch, args):
-    ours.update(model, batch, args)
+def update(model, batch, args, state):
+    ours.update(model, batch, args, state)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(1 + DELTA)  # every logit scaled: a log-prob miss linear in DELTA
 """,
@@ -58,16 +67,18 @@ def update(model, batch, args):
 
 
 def test_the_tolerances_are_the_documented_ones():
-    assert {q: tol for q, (_, tol) in verify.TOLERANCES.items()} == DOCUMENTED
+    assert dict(verify.TOLERANCES) == DOCUMENTED
 
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
+    """verify.py's recommended dumps (its docstring), so that every row's branches are exercised."""
     folder = tmp_path_factory.mktemp("near-miss")
-    flags = dict(seed=3, prompts_per_step=3, max_new_tokens=4, sample_every=0, output_dir=str(folder / "runs"))
-    grpo_flags = dict(group_size=4, num_steps=2, learning_rate=1e-2, beta=0.1, dump_dir=str(folder / "grpo"))
-    grpo.main(grpo.Args(**flags, **grpo_flags))
-    ppo.main(ppo.Args(**flags, num_steps=1, num_minibatches=3, dump_dir=str(folder / "ppo")))
+    flags = dict(seed=3, task="copy:1-3", num_steps=3, learning_rate=1e-2, clip_low=0.05, clip_high=0.05,
+                 max_new_tokens=4, temperature=0.8, sample_every=0, output_dir=str(folder / "runs"))  # fmt: skip
+    grpo.main(grpo.Args(**flags, num_iterations=2, beta=0.1, weight_decay=0.1, dump_dir=str(folder / "grpo")))
+    ppo.main(ppo.Args(**flags, prompts_per_step=16, critic_learning_rate=1e-2, cliprange_value=0.01, target_kl=2,
+                      kl_horizon=100, gamma=0.95, micro_batch_size=4, dump_dir=str(folder / "ppo")))  # fmt: skip
     return {"grpo": str(folder / "grpo"), "ppo": str(folder / "ppo")}
 
 
@@ -80,25 +91,47 @@ def verify_with(capsys, tmp_path, dump, quantity, delta):
 
 @pytest.mark.parametrize("script, quantity", [
     ("grpo", "advantages"), ("grpo", "log-probs"), ("grpo", "kl"), ("grpo", "per-token loss"), ("grpo", "loss"),
-    ("grpo", "gradient"), ("ppo", "advantages"), ("ppo", "returns"), ("ppo", "log-probs"), ("ppo", "kl"),
-    ("ppo", "per-token loss"), ("ppo", "loss"), ("ppo", "gradient"),
+    ("grpo", "gradient"), ("ppo", "advantages"), ("ppo", "rewards"), ("ppo", "returns"), ("ppo", "kl_coef"),
+    ("ppo", "log-probs"), ("ppo", "kl"), ("ppo", "per-token loss"), ("ppo", "loss"), ("ppo", "gradient"),
 ])  # fmt: skip
 def test_a_near_miss_fails_its_row(dumps, capsys, tmp_path, script, quantity):
-    tolerance = DOCUMENTED[quantity]
+    tolerance = DOCUMENTED[quantity][1]
     code, result, out = verify_with(capsys, tmp_path, dumps[script], quantity, 1.5 * tolerance)
     assert code == 1 and result.startswith("FAIL"), out
     code, result, out = verify_with(capsys, tmp_path, dumps[script], quantity, 0.5 * tolerance)
-    assert code == 0 and result == "pass", out
+    assert code == 0 and result.split(";")[0] == "pass", out  # perhaps noting a branch this dump never exercised
 
 
 def test_a_near_miss_of_the_update_fails(dumps, capsys, tmp_path):
-    tolerance = DOCUMENTED["update"]
-    _, _, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3)
-    miss = float(re.search(r"\| update \| 1 \| (\S+) \|", out).group(1))  # the miss of a 1e-3 scaling
-    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3 * 1.5 * tolerance / miss)
+    tolerance = DOCUMENTED["update"][1]
+    _, _, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-2)
+    miss = float(re.search(r"\| update \| \S+ \| (\S+) \|", out).group(1))  # the miss of a 1e-2 scaling
+    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-2 * 1.5 * tolerance / miss)
     assert code == 1 and result.startswith("FAIL"), out
-    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-3 * 0.5 * tolerance / miss)
-    assert code == 0 and result == "pass", out
+    code, result, out = verify_with(capsys, tmp_path, dumps["grpo"], "update", 1e-2 * 0.5 * tolerance / miss)
+    assert code == 0 and result.split(";")[0] == "pass", out  # perhaps noting a branch this dump never exercised
+
+
+REFERENCE_ONLY = """
+INITIAL = {}
+
+def setup(args, options, model):
+    INITIAL["weight"] = model.get_output_embeddings().weight.detach().clone()
+
+def token_logprobs(model, batch, args):  # moved only where the model is the initial one, the reference
+    logp = ours.token_logprobs(model, batch, args)
+    return bump(logp) if torch.equal(model.get_output_embeddings().weight, INITIAL["weight"]) else logp
+"""
+
+
+def test_a_near_miss_of_the_reference_log_probs_fails(dumps, capsys, tmp_path):
+    """An adapter whose reference log-probs alone are off (the policy has moved by the first check: mu = 2)."""
+    tolerance = DOCUMENTED["log-probs"][1]
+    for delta, expected_code in ((1.5 * tolerance, 1), (0.5 * tolerance, 0)):
+        path = tmp_path / f"reference_{expected_code}.py"
+        path.write_text(ADAPTER.format(delta=delta) + REFERENCE_ONLY)
+        code, out, _ = run(capsys, dumps["grpo"], "--against", path)
+        assert code == expected_code and rows(out)["log-probs"].startswith("FAIL" if code else "pass"), out
 
 
 @pytest.mark.parametrize("key", ["new_logp", "ref_logp"])
@@ -107,7 +140,7 @@ def test_a_dump_whose_log_probs_are_slightly_off_fails(dumps, capsys, tmp_path, 
     copy = tmp_path / "dump"
     shutil.copytree(dumps["grpo"], copy)
     d = load_file(copy / "step000001.safetensors")
-    d[key][0, 0] += 1.5 * DOCUMENTED["log-probs"]
+    d[key][0, 0] += 1.5 * DOCUMENTED["log-probs"][1]
     save_file(d, copy / "step000001.safetensors")
     code, out, _ = run(capsys, copy, "--against", "self")
     assert code == 1 and rows(out)["log-probs"].startswith("FAIL"), out
