@@ -241,3 +241,22 @@ def test_the_loop_gives_the_loss_a_differentiable_entropy_only_when_it_is_used(t
     monkeypatch.setattr(ppo, "ppo_loss", lambda *a: seen.append(a[-1].requires_grad) or ppo_loss(*a))
     ppo.main(ppo.Args(num_steps=1, prompts_per_step=8, ent_coef=ent_coef, sample_every=0, output_dir=str(tmp_path)))
     assert seen and set(seen) == {ent_coef > 0}
+
+
+def test_each_models_gradient_is_clipped_to_max_grad_norm(monkeypatch, tmp_path):
+    """Before every optimizer step, the policy's and the critic's gradients each have a norm of at most
+    --max-grad-norm (AdamW is nearly scale-free, so a missing clip barely shows in the weights: read the gradients)."""
+    norms = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        norms.append([torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in group["params"] if p.grad is not None]))
+                      .item() for group in self.param_groups])  # fmt: skip
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    ppo.main(ppo.Args(num_steps=1, prompts_per_step=8, max_grad_norm=1e-3, sample_every=0,
+                      output_dir=str(tmp_path / "runs")))  # fmt: skip
+    assert len(norms) == 4 and all(len(groups) == 2 for groups in norms)  # 2 epochs x 2 minibatches; policy, critic
+    assert all(norm <= 1e-3 * (1 + 1e-4) for groups in norms for norm in groups), norms
+    assert max(max(groups) for groups in norms) > 0.5e-3  # the clip acted: the raw gradients were larger

@@ -124,7 +124,7 @@ MUTANTS = [
          what="the policy gets the critic's learning rate and the critic the policy's",
          find='lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}',
          replace='lrs = {"policy": args.critic_learning_rate, "critic": args.learning_rate}'),
-    dict(name="ppo-critic-not-clipped", file="ppo.py", tests=REF_PPO,
+    dict(name="ppo-critic-not-clipped", file="ppo.py", tests=["tests/test_ppo.py", "-k", "clipped_to_max_grad_norm"],
          what="the critic's gradient is never clipped",
          find="clip_grad_norm_(model.parameters(), args.max_grad_norm)\n",
          replace="clip_grad_norm_(model.parameters(), args.max_grad_norm if model is policy else float('inf'))\n"),
