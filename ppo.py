@@ -398,14 +398,14 @@ def main(args, flags_given=()):
                 b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
                 b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
 
-            rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
-                           scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
-                           eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
+            b_rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                             scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
+                             eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
-            b_rewards, kl = compute_rewards(rollout, args, mean=dist.masked_mean)  # [N, T] each
-            b_advantages, b_returns = compute_advantages(dict(rollout, rewards=b_rewards), args, mean=dist.masked_mean)
-            rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
+            b_rewards, kl = compute_rewards(b_rollout, args, mean=dist.masked_mean)  # [N, T] each
+            b_advantages, b_returns = compute_advantages(dict(b_rollout, rewards=b_rewards), args, mean=dist.masked_mean)
+            b_rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
         with timer("train"):
@@ -428,14 +428,14 @@ def main(args, flags_given=()):
                                 return_entropy=True, entropy_grad=args.ent_coef > 0,
                             )  # [n, T]; the entropy a constant (for the logs) unless it is in the loss
                             new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
-                        micro_batch = {k: rollout[k][micro] for k in ("old_logp", "advantages", "values", "returns", "completion_mask")}
+                        micro_batch = {k: b_rollout[k][micro] for k in ("old_logp", "advantages", "values", "returns", "completion_mask")}
                         outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
                         loss, terms = compute_loss(outputs, dict(micro_batch, num_tokens=mb_tokens), args)
                         loss.backward()
                         updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
                     grad_norm, *critic_grad_norm = [torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                                                     for model in trained.values()]  # each model's own, policy first
-                    dump = dumps.batch_dump(rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
+                    dump = dumps.batch_dump(b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
                     dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm))
                     optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
@@ -459,7 +459,7 @@ def main(args, flags_given=()):
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
-        kl_coef = next_kl_coef(rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
+        kl_coef = next_kl_coef(b_rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, trained, tokenizer,
                                         step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
