@@ -186,6 +186,7 @@ def run_main(main):
         signal.signal(sig, interrupted)
     try:
         main()
+        dist.finish()
     except UsageError as e:
         checkpoints.release_locks()
         remove_empty_run_folders()

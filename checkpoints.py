@@ -382,7 +382,7 @@ class StopSignal:
         """Once the checkpoint is saved: close the logs and stop, with the command that resumes the run."""
         writer.close()
         release_locks()
-        dist.barrier()
+        dist.finish()
         if not dist.is_main():
             raise SystemExit(1)
         command = resume_command(script, self.checkpoint_dir)

@@ -208,6 +208,14 @@ def barrier():
         torch.distributed.barrier()
 
 
+def finish():
+    """Leave the process group once every process is done: a process that exits with it still open may abort in
+    gloo's threads at interpreter shutdown ("terminate called without an active exception")."""
+    if initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def local(tensor):
     """A replicated DTensor (a clipped gradient norm) as a plain tensor; anything else as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
