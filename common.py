@@ -68,6 +68,30 @@ def set_activation_checkpointing(model, on):
         model.gradient_checkpointing_disable()
 
 
+PLAIN_ATTENTION_MAX = 2**21  # values of one layer's attention weights: the plain kernel keeps them for the backward
+
+
+@contextlib.contextmanager
+def attention_kernel(model, input_ids, new_tokens=0):
+    """Attention by plain matmuls ("eager") instead of torch's fused kernel (SDPA) meanwhile, where that is faster:
+    on a CPU under bfloat16 autocast, whose SDPA takes 3-5x its float32 time at short lengths (README: a step
+    against this CPU's limit), and only while one layer's attention weights (rows x heads x length^2, the length
+    with `new_tokens` to generate) stay under PLAIN_ATTENTION_MAX values: the plain kernel keeps them for the
+    backward pass, SDPA does not. The same attention, other kernels; anywhere else nothing changes."""
+    config = getattr(model, "config", None)
+    rows, length = input_ids.shape[0], input_ids.shape[1] + new_tokens
+    plain = (getattr(config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
+             and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+             and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX)  # fmt: skip
+    if plain:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if plain:
+            model.set_attn_implementation("sdpa")
+
+
 @contextlib.contextmanager
 def generation_mode(model):
     """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
@@ -106,7 +130,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        with generation_mode(model):
+        with generation_mode(model), attention_kernel(model, prompt_ids, max_new_tokens):
             # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
             cache = prompt_cache.shared_prompt_cache(model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1])
             shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
@@ -198,10 +222,12 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _logprobs_and_entropy(logits, labels, temperature, entropy_grad):
+def _logprobs_and_entropy(logits, labels, temperature, with_entropy, entropy_grad):
     logits = logits.float() / temperature  # float32 for this chunk only
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels[..., None]).squeeze(-1) - logz
+    if not with_entropy:  # a softmax over the vocabulary saved
+        return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # H = logZ - sum_v p_v z_v
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
     return logp, entropy
@@ -227,18 +253,20 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
     # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
-    cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
-    if cache is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
-    else:  # the rows' own tokens: the last prompt token and the completion
-        out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
-                    use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
+    with attention_kernel(model, input_ids):
+        cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+        if cache is None:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=T + 1, use_cache=False)  # fmt: skip
+        else:  # the rows' own tokens: the last prompt token and the completion
+            out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
+                        use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))
     logps, entropies = [], []
     for chunk, chunk_labels in zip(logits.split(rows), labels.split(rows)):
-        args = (chunk, chunk_labels, temperature, entropy_grad)
+        args = (chunk, chunk_labels, temperature, return_entropy, entropy_grad)
         if torch.is_grad_enabled():
             logp, entropy = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:

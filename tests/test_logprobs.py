@@ -249,3 +249,46 @@ def test_micro_batches_give_the_one_batch_gradient(agg):
         assert total.item() == pytest.approx(one_batch.item(), rel=1e-5)
         for g, eg in zip(torch.autograd.grad(total, params), expected_grads):
             assert_grad_close(g, eg)
+
+
+def test_plain_attention_runs_only_on_a_cpu_under_bf16_and_while_small():
+    """common.attention_kernel: "eager" meanwhile on a CPU under bfloat16 autocast (the model's own setting back after,
+    an error included), SDPA kept in float32 and once one layer's attention weights would pass the bound."""
+    model = make_small_model("qwen2")
+    assert model.config._attn_implementation == "sdpa"
+    small, _, _ = grouped_batch()  # 6 rows x 9 tokens
+    large = torch.zeros(64, 128, dtype=torch.long)  # 64 x 4 heads x 128^2 > PLAIN_ATTENTION_MAX
+    seen = []
+    for dtype, ids, new_tokens in ((torch.bfloat16, small, 0), (torch.float32, small, 0), (torch.bfloat16, large, 0),
+                                   (torch.bfloat16, small, 1000)):  # fmt: skip
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), common.attention_kernel(model, ids, new_tokens):
+            seen.append(model.config._attn_implementation)
+        assert model.config._attn_implementation == "sdpa"
+    assert seen == ["eager", "sdpa", "sdpa", "sdpa"]
+    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16), common.attention_kernel(model, small):
+        raise RuntimeError
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_tokenizer):
+    """The kernel attention_kernel switches to is the same attention: log-probs and gradients (the prompt shared, as
+    GRPO's groups are) agree with SDPA's in float32, and the same seed samples the same completions."""
+    input_ids, attention_mask, completion_mask = grouped_batch()
+    results = {}
+    for kernel in ("sdpa", "eager"):
+        small_model.set_attn_implementation(kernel)
+        logp = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7)
+        results[kernel] = (logp.detach(), *torch.autograd.grad(logp.sum(), list(small_model.parameters())))
+    small_model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(results["eager"][0], results["sdpa"][0], atol=1e-5, rtol=1e-5)
+    for g, expected in zip(results["eager"][1:], results["sdpa"][1:]):
+        assert_grad_close(g, expected)
+    prompts, eos = [p for p in ("12+7=", "3=", "456+1=") for _ in range(4)], [tiny_tokenizer.eos_token_id]
+    samples = []
+    for kernel in ("sdpa", "eager"):
+        tiny_model.set_attn_implementation(kernel)
+        torch.manual_seed(0)
+        samples.append(common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, eos))
+    tiny_model.set_attn_implementation("sdpa")
+    for a, b in zip(*samples):
+        assert torch.equal(a, b)
