@@ -42,8 +42,8 @@ class RunArgs:
     reward_model: Optional[str] = None
     """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on a GPU that computes
-    it natively, else float32; printed at start with the reason, see precision.py)"""
+    """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on a GPU or CPU that
+    computes it natively, else float32; printed at start with the reason, see precision.py)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False
@@ -180,6 +180,7 @@ def run_main(main):
     the training loop installs its own handlers (checkpoints.StopSignal) into one line saying nothing was saved."""
 
     def interrupted(signum, frame):
+        Interrupted.received.append(signum)
         raise Interrupted(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
@@ -194,14 +195,13 @@ def run_main(main):
             sys.exit(1)  # under torchrun, an error before the processes join (a flag, a launch) is every one's
         sys.exit(f"error{'' if dist.is_main() else f' (rank {dist.rank()})'}: {e}")
     except Interrupted as e:
+        Interrupted.received.clear()
         remove_empty_run_folders()
         print(f"{signal.Signals(e.signum).name} before the first step: nothing was saved", file=sys.stderr)
         sys.exit(128 + e.signum)
     except torch.OutOfMemoryError:
-        sys.exit(
-            "error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
-            "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded"
-        )
+        sys.exit("error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
+                 "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded")
 
 
 def seed_everything(seed, deterministic=False):

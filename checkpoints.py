@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 
 import distributed as dist
-from errors import UsageError
+from errors import Interrupted, UsageError
 
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
@@ -52,9 +52,7 @@ def write_failed(what, folder, error):
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
     fix = "free some disk space" if any(word in reason.lower() for word in ("space", "full", "quota")) else "fix that"
     if os.path.isfile(os.path.join(folder, "state.pt")):
-        return UsageError(
-            f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it"
-        )
+        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it")
     return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: {fix} and start again")
 
 
@@ -353,6 +351,8 @@ class StopSignal:
     (the last checkpoint on disk stays intact: saves are atomic)."""
 
     def __init__(self, checkpoint_dir):
+        if Interrupted.received:  # a signal during loading whose exception something swallowed: nothing was saved
+            raise Interrupted(Interrupted.received[0])
         self.signal = self.name = None  # the signal this process received; why the run stops, once decided
         self.checkpoint_dir = checkpoint_dir
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed

@@ -9,7 +9,12 @@ class UsageError(Exception):
 
 
 class Interrupted(BaseException):
-    """Ctrl-C or SIGTERM before the training loop took over the signals: nothing was saved (bookkeeping.run_main)."""
+    """Ctrl-C or SIGTERM before the training loop took over the signals: nothing was saved (bookkeeping.run_main).
+
+    `received` keeps each such signal: code that swallows every exception (a C extension clearing the error it was
+    handed while loading) would otherwise lose it; the loop's StopSignal raises it again when it takes over."""
+
+    received = []
 
     def __init__(self, signum):
         super().__init__(signum)

@@ -148,3 +148,27 @@ def test_out_of_memory_names_the_flags_to_lower(script, tmp_path, monkeypatch):
         bookkeeping.run_main(lambda: SCRIPTS[script].main(quick_args(script, tmp_path)))
     message = str(stop.value.code)
     assert message.startswith("error: out of GPU memory") and "--micro-batch-size" in message
+
+
+def test_a_signal_whose_exception_loading_swallowed_still_stops_the_run(tmp_path, capsys):
+    """Code that swallows every exception while the models load (the one the Ctrl-C handler raises included) cannot
+    lose the Ctrl-C: the training loop's handlers raise it again as they take over, and nothing was saved."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def main():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except BaseException:  # noqa: S110 (what such code does)
+            pass
+        checkpoints.StopSignal(str(tmp_path / "checkpoint"))
+        raise AssertionError("the run went on")
+
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            bookkeeping.run_main(main)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert stopped.value.code == 128 + signal.SIGINT and not errors.Interrupted.received
+    assert capsys.readouterr().err.strip() == "SIGINT before the first step: nothing was saved"
