@@ -41,8 +41,9 @@ GRPO_FLAGS = dict(prompts_per_step=4, group_size=8, learning_rate=1e-5, beta=0.0
 PPO_FLAGS = dict(prompts_per_step=32, learning_rate=5e-6, update_epochs=2, num_minibatches=2, temperature=TEMPERATURE,
                  micro_batch_size=32)
 STEPS = {"grpo": 20, "ppo": 20, "trl": 20}
-# With --lora-rank R the same runs train LoRA adapters (alpha 32) at LORA_LR_SCALE times the learning rate: LoRA's
-# best rate is about 10 times full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret"), the rest unchanged.
+# With --lora-rank R the same runs train LoRA adapters (alpha 32) at LORA_LR_SCALE times the learning rates (PPO's
+# critic's too): LoRA's best rate is about 10 times full fine-tuning's (Schulman et al. 2025, "LoRA Without
+# Regret"), the rest unchanged.
 LORA_LR_SCALE = 10
 
 
@@ -82,6 +83,10 @@ def run_ours(script, model_dir, seed, steps, work, dtype="auto", eval_every=0, l
                  output_dir=os.path.join(work, f"{script}{run_suffix(dtype)}{_lora(lora_rank)}-seed{seed}"))  # fmt: skip
     if lora_rank:
         flags.update(lora_rank=lora_rank, lora_merged=True, learning_rate=flags["learning_rate"] * LORA_LR_SCALE)
+        if script == "ppo":  # the critic's adapters too, from the preset's rate
+            import ppo
+
+            flags.update(critic_learning_rate=ppo.HUB_DEFAULTS["critic_learning_rate"] * LORA_LR_SCALE)
     command = [sys.executable, f"{script}.py"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                                                    for k, v in flags.items()]
     print(" ".join(command), file=sys.stderr)
