@@ -3,7 +3,7 @@
 The trained weights stay float32 in every case (the master copy, see common.autocast); --dtype only sets the
 dtype the forward passes autocast to. bfloat16 halves the bytes a matmul moves and, where the hardware multiplies
 bf16 natively, doubles its throughput (one thread of an AVX-512 BF16 CPU: 197 GFLOP/s against 86 in float32); a
-GRPO step of SmolLM2-135M took 0.73-0.79x the float32 time (benchmarks/step_speed.py). Where bf16 is emulated it
+GRPO step of SmolLM2-135M takes about 0.6x the float32 time (benchmarks/step_speed.py). Where bf16 is emulated it
 is slower than float32, so `auto` asks the hardware first.
 """
 
@@ -38,10 +38,9 @@ def native_bf16(device):
 def choose_dtype(name, device_type, native, model_name):
     """(dtype, reason) for --dtype `name` on a `device_type` device whose native bf16 is `native` (native_bf16).
 
-    auto: bfloat16 on a GPU that multiplies it natively, float32 elsewhere. A CPU with AVX-512 BF16 or AMX runs a
-    real model's step faster in bfloat16 (README), but auto picks it there only once its learning is shown unchanged
-    (greedy accuracy after 10 and 20 steps, 2 seeds; not yet measured): the reason printed names --dtype bfloat16.
-    float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
+    auto: bfloat16 where the hardware multiplies it natively, a GPU or a CPU with AVX-512 BF16 or AMX (learning
+    measured unchanged on a real model, README: a step against this CPU's limit), float32 elsewhere, and for the
+    built-in tiny model on a CPU. float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
     """
     if name == "float16":
         raise UsageError("--dtype float16 would need loss scaling, which this project does not do: "
@@ -52,8 +51,8 @@ def choose_dtype(name, device_type, native, model_name):
         return torch.bfloat16, "auto: this GPU computes bfloat16"
     if device_type == "cpu" and model_name == TINY_MODEL:
         return torch.float32, "auto: the built-in tiny model runs in float32 on a CPU (its step is not matmuls)"
-    if native and device_type == "cpu":  # not yet the default: bf16's learning on a CPU is still being measured
-        return torch.float32, f"auto: float32 on a CPU; this one computes bfloat16 natively ({native}): --dtype bfloat16"
+    if native and device_type == "cpu":
+        return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({native}); --dtype float32 for float32"
     if device_type == "cpu":
         return torch.float32, "auto: this CPU has neither AVX-512 BF16 nor AMX: bfloat16 would be emulated, slower"
     return torch.float32, f"auto: this {device_type} device has no native bfloat16"

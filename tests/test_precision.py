@@ -1,5 +1,4 @@
-"""--dtype auto: bfloat16 on a GPU that multiplies it natively, float32 elsewhere (a CPU with native bf16 is named in
-the reason, not yet chosen), the reason printed; the
+"""--dtype auto: bfloat16 on a GPU or CPU that multiplies it natively, float32 elsewhere, the reason printed; the
 choice is a pure function of what the hardware reports, so every case is tested here on any machine."""
 
 import shutil
@@ -16,8 +15,8 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.mark.parametrize("name, device, native, model, expected, reason", [
-    ("auto", "cpu", "AVX-512 BF16", "org/model", F32, "computes bfloat16 natively (AVX-512 BF16): --dtype bfloat16"),
-    ("auto", "cpu", "AMX", "model.gguf", F32, "natively (AMX): --dtype bfloat16"),
+    ("auto", "cpu", "AVX-512 BF16", "org/model", BF16, "this CPU computes bfloat16 natively (AVX-512 BF16)"),
+    ("auto", "cpu", "AMX", "model.gguf", BF16, "natively (AMX); --dtype float32 for float32"),
     ("auto", "cpu", None, "org/model", F32, "neither AVX-512 BF16 nor AMX"),
     ("auto", "cpu", "AVX-512 BF16", TINY_MODEL, F32, "tiny model runs in float32"),
     ("auto", "cuda", "bfloat16", TINY_MODEL, BF16, "this GPU computes bfloat16"),
@@ -50,8 +49,8 @@ def test_the_cpu_is_asked_through_torch(monkeypatch, amx, avx512_bf16, onednn, e
 
 def test_the_choice_is_printed_with_its_reason(monkeypatch, capsys):
     monkeypatch.setattr(precision, "native_bf16", lambda device: "AVX-512 BF16")
-    assert precision.resolve_dtype("auto", torch.device("cpu"), "org/model") == F32
-    assert "dtype: float32 (auto: float32 on a CPU; this one computes bfloat16 natively" in capsys.readouterr().out
+    assert precision.resolve_dtype("auto", torch.device("cpu"), "org/model") == BF16
+    assert "dtype: bfloat16 (auto: this CPU computes bfloat16 natively (AVX-512 BF16)" in capsys.readouterr().out
     assert precision.resolve_dtype("float32", torch.device("cpu"), "org/model") == F32
     assert "dtype: float32 (--dtype float32)" in capsys.readouterr().out
 
