@@ -2,8 +2,8 @@
 
 The trained weights stay float32 in every case (the master copy, see common.autocast); --dtype only sets the
 dtype the forward passes autocast to. bfloat16 halves the bytes a matmul moves and, where the hardware multiplies
-bf16 natively, doubles its throughput (one thread of an AVX-512 BF16 CPU: 197 GFLOP/s against 86 in float32); a
-GRPO step of SmolLM2-135M takes about 0.6x the float32 time (benchmarks/step_speed.py). Where bf16 is emulated it
+bf16 natively, doubles its throughput (one thread of an AVX-512 BF16 CPU: 212 GFLOP/s against 91 in float32); a
+GRPO step of SmolLM2-135M takes 0.64x the float32 time (benchmarks/step_speed.py). Where bf16 is emulated it
 is slower than float32, so `auto` asks the hardware first.
 """
 

@@ -90,11 +90,11 @@ def run_ours(script, model_dir, seed, steps, work, dtype="auto", eval_every=0, l
     command = [sys.executable, f"{script}.py"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                                                    for k, v in flags.items()]
     print(" ".join(command), file=sys.stderr)
-    start = time.time()
+    start, earlier = time.time(), set(glob.glob(os.path.join(flags["output_dir"], "*")))
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{script}.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    (run_dir,) = glob.glob(os.path.join(flags["output_dir"], "*"))
+    (run_dir,) = set(glob.glob(os.path.join(flags["output_dir"], "*"))) - earlier  # this run's, beside earlier ones
     samples = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     final = os.path.join(run_dir, "final-merged" if lora_rank else "final")
     return final, read_scalars(run_dir), samples, time.time() - start
