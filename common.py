@@ -58,6 +58,12 @@ def encode_prompts(tokenizer, prompts, chat_template=True):
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
+def activation_checkpointing(model):
+    """Whether the model recomputes its activations in the backward pass (transformers 5 renamed the flag)."""
+    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, f)), None)
+    return bool(flag and getattr(model, flag))
+
+
 def set_activation_checkpointing(model, on):
     """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
     if hasattr(model, "activation_checkpointing_enable"):
@@ -77,10 +83,12 @@ def attention_kernel(model, input_ids, new_tokens=0):
     on a CPU under bfloat16 autocast, whose SDPA takes 3-5x its float32 time at short lengths (README: a step
     against this CPU's limit), and only while one layer's attention weights (rows x heads x length^2, the length
     with `new_tokens` to generate) stay under PLAIN_ATTENTION_MAX values: the plain kernel keeps them for the
-    backward pass, SDPA does not. The same attention, other kernels; anywhere else nothing changes."""
+    backward pass, SDPA does not. Not under activation checkpointing: its recomputation runs after this context.
+    The same attention, other kernels; anywhere else nothing changes."""
     config = getattr(model, "config", None)
     rows, length = input_ids.shape[0], input_ids.shape[1] + new_tokens
     plain = (getattr(config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
+             and not activation_checkpointing(model)
              and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
              and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX)  # fmt: skip
     if plain:
@@ -95,9 +103,7 @@ def attention_kernel(model, input_ids, new_tokens=0):
 @contextlib.contextmanager
 def generation_mode(model):
     """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
-    was_training = model.training
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    was_checkpointing = getattr(model, flag, False)
+    was_training, was_checkpointing = model.training, activation_checkpointing(model)
     if was_checkpointing:
         set_activation_checkpointing(model, False)
     model.eval()

@@ -265,6 +265,10 @@ def test_plain_attention_runs_only_on_a_cpu_under_bf16_and_while_small():
             seen.append(model.config._attn_implementation)
         assert model.config._attn_implementation == "sdpa"
     assert seen == ["eager", "sdpa", "sdpa", "sdpa"]
+    common.set_activation_checkpointing(model, True)  # its recomputation in the backward runs after the context
+    with torch.autocast("cpu", dtype=torch.bfloat16), common.attention_kernel(model, small):
+        assert model.config._attn_implementation == "sdpa"
+    common.set_activation_checkpointing(model, False)
     with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16), common.attention_kernel(model, small):
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"
