@@ -183,6 +183,7 @@ def run_main(main):
         Interrupted.received.append(signum)
         raise Interrupted(signum)
 
+    Interrupted.received.clear()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal or ssh session closed
         signal.signal(sig, interrupted)
     try:

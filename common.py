@@ -74,22 +74,21 @@ def set_activation_checkpointing(model, on):
         model.gradient_checkpointing_disable()
 
 
-PLAIN_ATTENTION_MAX = 2**21  # values of one layer's attention weights: the plain kernel keeps them for the backward
+PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
 
 
 @contextlib.contextmanager
-def attention_kernel(model, input_ids, new_tokens=0):
-    """Attention by plain matmuls ("eager") instead of torch's fused kernel (SDPA) meanwhile, where that is faster:
-    on a CPU under bfloat16 autocast, whose SDPA takes 3-5x its float32 time at short lengths (README: a step
-    against this CPU's limit), and only while one layer's attention weights (rows x heads x length^2, the length
-    with `new_tokens` to generate) stay under PLAIN_ATTENTION_MAX values: the plain kernel keeps them for the
-    backward pass, SDPA does not. Not under activation checkpointing: its recomputation runs after this context.
-    The same attention, other kernels; anywhere else nothing changes."""
+def decoding_attention(model, prompt_ids, new_tokens):
+    """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
+    on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
+    (README: a step against this CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
+    under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
+    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
     config = getattr(model, "config", None)
-    rows, length = input_ids.shape[0], input_ids.shape[1] + new_tokens
-    plain = (getattr(config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
-             and not activation_checkpointing(model)
-             and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
+    plain = (getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
+             and prompt_ids.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+             and torch.get_autocast_dtype("cpu") == torch.bfloat16
              and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX)  # fmt: skip
     if plain:
         model.set_attn_implementation("eager")
@@ -136,7 +135,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        with generation_mode(model), attention_kernel(model, prompt_ids, max_new_tokens):
+        with generation_mode(model), decoding_attention(model, prompt_ids, max_new_tokens):
             # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
             cache = prompt_cache.shared_prompt_cache(model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1])
             shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
@@ -259,14 +258,12 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
     # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
-    with attention_kernel(model, input_ids):
-        cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
-        if cache is None:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=T + 1, use_cache=False)  # fmt: skip
-        else:  # the rows' own tokens: the last prompt token and the completion
-            out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
-                        use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
+    cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+    if cache is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+    else:  # the rows' own tokens: the last prompt token and the completion
+        out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
+                    use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))

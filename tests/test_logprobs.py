@@ -251,31 +251,45 @@ def test_micro_batches_give_the_one_batch_gradient(agg):
             assert_grad_close(g, eg)
 
 
-def test_plain_attention_runs_only_on_a_cpu_under_bf16_and_while_small():
-    """common.attention_kernel: "eager" meanwhile on a CPU under bfloat16 autocast (the model's own setting back after,
-    an error included), SDPA kept in float32 and once one layer's attention weights would pass the bound."""
+def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
+    """common.decoding_attention: "eager" meanwhile on a CPU under bfloat16 autocast (the model's own setting back
+    after, an error included), SDPA kept in float32 and once one layer's attention weights would pass the bound."""
     model = make_small_model("qwen2")
     assert model.config._attn_implementation == "sdpa"
     small, _, _ = grouped_batch()  # 6 rows x 9 tokens
-    large = torch.zeros(64, 128, dtype=torch.long)  # 64 x 4 heads x 128^2 > PLAIN_ATTENTION_MAX
+    large = torch.zeros(256, 256, dtype=torch.long)  # 256 x 4 heads x 256^2 > PLAIN_ATTENTION_MAX
     seen = []
-    for dtype, ids, new_tokens in ((torch.bfloat16, small, 0), (torch.float32, small, 0), (torch.bfloat16, large, 0),
+    for dtype, ids, new_tokens in ((torch.bfloat16, small, 16), (torch.float32, small, 16), (torch.bfloat16, large, 0),
                                    (torch.bfloat16, small, 1000)):  # fmt: skip
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), common.attention_kernel(model, ids, new_tokens):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), common.decoding_attention(model, ids, new_tokens):
             seen.append(model.config._attn_implementation)
         assert model.config._attn_implementation == "sdpa"
     assert seen == ["eager", "sdpa", "sdpa", "sdpa"]
-    common.set_activation_checkpointing(model, True)  # its recomputation in the backward runs after the context
-    with torch.autocast("cpu", dtype=torch.bfloat16), common.attention_kernel(model, small):
-        assert model.config._attn_implementation == "sdpa"
-    common.set_activation_checkpointing(model, False)
-    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16), common.attention_kernel(model, small):
+    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16), common.decoding_attention(model, small, 16):
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_rows():
+    """Under bf16 autocast every log-prob of a step comes from one kernel, whatever the rows of the call: a copy of
+    the policy (the reference) gives the same log-probs (the step-1 KL is 0), and slices of the batch (PPO's old
+    log-probs against its minibatches) give what the whole batch gives."""
+    import copy
+
+    model = make_small_model("qwen2")
+    reference = copy.deepcopy(model).requires_grad_(False)
+    input_ids, attention_mask, completion_mask = grouped_batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = common.token_logprobs(model, input_ids, attention_mask, completion_mask, 0.7)
+        ref = common.token_logprobs(reference, input_ids, attention_mask, completion_mask, 0.7)
+        rows = [common.token_logprobs(model, input_ids[i : i + 3], attention_mask[i : i + 3], completion_mask[i : i + 3], 0.7)
+                for i in (0, 3)]  # fmt: skip
+    assert torch.equal(whole, ref)
+    torch.testing.assert_close(torch.cat(rows), whole, atol=0, rtol=0)
+
+
 def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_tokenizer):
-    """The kernel attention_kernel switches to is the same attention: log-probs and gradients (the prompt shared, as
+    """The kernel decoding_attention switches to is the same attention: log-probs and gradients (the prompt shared, as
     GRPO's groups are) agree with SDPA's in float32, and the same seed samples the same completions."""
     input_ids, attention_mask, completion_mask = grouped_batch()
     results = {}
