@@ -366,7 +366,7 @@ def main(args, flags_given=()):
     policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
     lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
     optimizer = torch.optim.AdamW([dict(group, lr=lrs[name]) for name, model in trained.items()
-                                   for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)], fused=True)
+                                   for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef

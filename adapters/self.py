@@ -128,6 +128,6 @@ def optimizer(model, args, critic=None):
         critic_groups = common.adamw_param_groups(critic, args["weight_decay"], args["decay_norms_and_biases"])
         groups = [dict(group, lr=args["learning_rate"]) for group in groups]
         groups += [dict(group, lr=args["critic_learning_rate"]) for group in critic_groups]
-    opt = torch.optim.AdamW(groups, lr=args["learning_rate"], fused=True)
+    opt = torch.optim.AdamW(groups, lr=args["learning_rate"])
     warmup = args["warmup_steps"]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))

@@ -35,6 +35,20 @@ def small_args(module, tmp_path, **overrides):
                           **SMALL[module], **overrides})  # fmt: skip
 
 
+def run_with_flag(module, name, value, base, monkeypatch):
+    """`module.main` with one flag as the user types it over the Args `base`: (its UsageError or None, models loaded)."""
+    import tyro
+
+    args = tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", value], default=base)
+    loads, real_load = [], models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    try:
+        module.main(args)
+    except UsageError as e:
+        return e, loads
+    return None, loads
+
+
 def float_flags(module):
     hints = typing.get_type_hints(module.Args)
     return [f.name for f in dataclasses.fields(module.Args) if float in (hints[f.name], *typing.get_args(hints[f.name]))]
@@ -52,16 +66,8 @@ FUZZ = [(module, name, value) for module in (grpo, ppo) for name in float_flags(
 def test_principle1_fuzz_every_float_flag(module, name, value, tmp_path, monkeypatch):
     """Each float flag, parsed from the command line as the user types it: a clean run with a finite model, or one
     line naming the flag, raised before any model loads. Anything else (a traceback) fails the test."""
-    import tyro
-
-    base = small_args(module, tmp_path)
-    args = tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", value], default=base)
-    loads = []
-    real_load = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    try:
-        module.main(args)
-    except UsageError as e:
+    e, loads = run_with_flag(module, name, value, small_args(module, tmp_path), monkeypatch)
+    if e is not None:
         assert "\n" not in str(e) and not loads, (str(e), loads)
         if not math.isfinite(float(value)):
             assert str(e) == f"--{name.replace('_', '-')} is {float(value)}: it must be a finite number"

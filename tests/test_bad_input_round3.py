@@ -16,6 +16,7 @@ import model_checks
 import models
 import ppo
 from errors import UsageError
+from test_bad_input_principles import run_with_flag
 
 SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
 
@@ -48,18 +49,11 @@ FUZZ = [(m, name, v) for m in (grpo, ppo) for name, kind in numeric_flags(m) for
 def test_principle1_fuzz_every_numeric_flag_with_finite_extremes(module, name, value, tmp_path, monkeypatch):
     """Each numeric flag of both scripts at 1e-300, 1e308, -1e308 and 2**63 (ints: +-2**63), as typed: one line,
     raised before any model loads, or a run whose saved model is finite and moved from its start."""
-    import tyro
-
-    args = tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", value], default=small_args(module, tmp_path))
-    loads = []
-    real_load = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    try:
-        module.main(args)
-    except UsageError as e:
+    e, loads = run_with_flag(module, name, value, small_args(module, tmp_path), monkeypatch)
+    if e is not None:
         assert "\n" not in str(e) and not loads and name.replace("_", "-") in str(e), (str(e), loads)
         return
-    start, end = real_load(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
+    start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in end.values())
     assert any(not torch.equal(start[k], end[k]) for k in start), "done, but the weights did not move"
 
