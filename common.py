@@ -14,10 +14,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-import distributed as dist
-import models
-import prompt_cache
-import scoring
+from machinery import distributed as dist
+from machinery import models
+from machinery import prompt_cache
+from machinery import scoring
 
 
 

@@ -32,16 +32,16 @@ from typing import Literal, Optional
 import torch
 from tqdm import tqdm
 
-import bookkeeping
-import checkpoints
+from machinery import bookkeeping
+from machinery import checkpoints
 import common
-import scoring
-import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
-import dumps
-import lora
-import models
-import precision
-from errors import UsageError
+from machinery import scoring
+from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
+from machinery import dumps
+from machinery import lora
+from machinery import models
+from machinery import precision
+from machinery.errors import UsageError
 from tasks import load_task
 
 

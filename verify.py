@@ -8,8 +8,8 @@
         --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 \\
         --dump-dir dumps/ppo                                                      # the recommended PPO dump
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
-    python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements-extra.txt)
-    python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements-openrlhf.txt)
+    python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements/extra.txt)
+    python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements/openrlhf.txt)
     python verify.py dumps/ppo --against my_adapter.py         # your code, through an adapter you write
 
 Make the dump with your implementation's settings (its advantage eps is --adv-eps; its KL form, loss
@@ -67,8 +67,8 @@ import sys
 
 import torch
 
-from verify_replay import check_grpo_weights, check_ppo_weights, check_update
-from verify_report import (EARLY, QUANTITIES, TOLERANCES, AdapterError, Interrupted, Report,  # noqa: F401
+from verifier.replay import check_grpo_weights, check_ppo_weights, check_update
+from verifier.report import (EARLY, QUANTITIES, TOLERANCES, AdapterError, Interrupted, Report,  # noqa: F401
                            VerifyError, as_tensor, call, compare, load_adapter, load_dump, loss_conditions, one_line,
                            parse_options, parse_tolerances, ppo_micro_batch, whole_batch)  # fmt: skip
 

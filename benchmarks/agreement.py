@@ -1,7 +1,7 @@
 """The agreement table: each peer (TRL, verl, this project itself) against fresh dumps of each mode.
 
     python benchmarks/agreement.py                            # writes docs/agreement.md, about 1 minute on CPU
-    python benchmarks/agreement.py --verl-site .verl-site     # where verl is (requirements-verl.txt)
+    python benchmarks/agreement.py --verl-site .verl-site     # where verl is (requirements/verl.txt)
     OPENRLHF_SITE=.openrlhf-site python benchmarks/agreement.py   # OpenRLHF: .openrlhf-site by default
     python benchmarks/agreement.py --modes OpenRLHF "PPO, verify"   # only the modes whose name holds one of these
 
@@ -108,14 +108,14 @@ def main():
     try:
         import verl.trainer.ppo.core_algos  # noqa: F401
     except ImportError:
-        print(f"no verl in {opts.verl_site}: its rows are left out (see requirements-verl.txt)")
+        print(f"no verl in {opts.verl_site}: its rows are left out (see requirements/verl.txt)")
         with_verl = False
     else:
         with_verl = True
     try:
         verify.load_adapter("openrlhf")
     except verify.VerifyError:
-        print("no openrlhf (OPENRLHF_SITE or .openrlhf-site): its rows are left out (see requirements-openrlhf.txt)")
+        print("no openrlhf (OPENRLHF_SITE or .openrlhf-site): its rows are left out (see requirements/openrlhf.txt)")
         with_openrlhf = False
     else:
         with_openrlhf = True

@@ -25,7 +25,7 @@ finished in --runs-dir are kept, so a stopped benchmark continues where it was.
    random-init 25M-parameter Qwen2 (byte tokenizer), in a process of its own: parameters held
    (charts/params_*) and peak resident memory after step 1 (perf/peak_memory_gb).
 
-Plotting needs matplotlib (requirements-extra.txt); without it the table is still written and the figures
+Plotting needs matplotlib (requirements/extra.txt); without it the table is still written and the figures
 are skipped, with a message saying so.
 """
 
@@ -201,8 +201,8 @@ def credit_example(runs_dir):
     from safetensors.torch import load_file
 
     import common
-    import scoring
-    import models
+    from machinery import scoring
+    from machinery import models
     import ppo
     from tasks import load_task
 
@@ -344,7 +344,7 @@ def write_section(runs_dir, elapsed, loaded):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is missing (pip install -r requirements-extra.txt): the figures in docs/lesson/ were NOT "
+        print("matplotlib is missing (pip install -r requirements/extra.txt): the figures in docs/lesson/ were NOT "
               "drawn; the README section links to whatever is there.")  # fmt: skip
     else:
         os.makedirs(DOCS, exist_ok=True)

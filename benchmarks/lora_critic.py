@@ -40,8 +40,8 @@ def set_active(model, name):
 def build(design, model_name, rank):
     import torch
 
-    import lora
-    import models
+    from machinery import lora
+    from machinery import models
     import ppo
 
     args = types.SimpleNamespace(model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0,

@@ -22,8 +22,8 @@ def measure(model_name, rank, batch, tokens, new_tokens):
     import torch
 
     import common
-    import lora
-    import models
+    from machinery import lora
+    from machinery import models
 
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731
     args = types.SimpleNamespace(model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0,

@@ -57,7 +57,7 @@ def default_gguf():
 def held_out_accuracy(model_dir, examples):
     """Greedy accuracy (reward 1) on the first `examples` held-out prompts, under the chat template."""
     import common
-    import models
+    from machinery import models
     from tasks import load_task
 
     tokenizer = models.load_tokenizer(model_dir)
@@ -185,7 +185,7 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
 
 
 def one_run(name, seed, args):
-    import models
+    from machinery import models
 
     os.makedirs(args.out, exist_ok=True)
     model_dir = models.resolve_model_path(args.gguf)  # converted once into the cache
@@ -252,7 +252,7 @@ def plot(out, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("no figure: matplotlib is not installed (pip install -r requirements-extra.txt)")
+        print("no figure: matplotlib is not installed (pip install -r requirements/extra.txt)")
         return
     per_step = {"grpo": GRPO_FLAGS["prompts_per_step"] * GRPO_FLAGS["group_size"], "trl": GRPO_FLAGS["prompts_per_step"]
                 * GRPO_FLAGS["group_size"], "ppo": PPO_FLAGS["prompts_per_step"]}  # fmt: skip
@@ -298,7 +298,7 @@ def main():
         return table(args.out)
     runs, seeds = args.run or ["before", "grpo", "ppo", "trl"], args.seed or [1, 2]
     if runs == ["speed"]:
-        import models
+        from machinery import models
         import step_speed
 
         settings = dict(GRPO_FLAGS, max_new_tokens=MAX_NEW_TOKENS)

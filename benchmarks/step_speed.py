@@ -71,9 +71,9 @@ class Phases:
 def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, phase):
     """grpo.py's step (num_iterations 1): the same calls on the same batch layout, timed by `phase`."""
     import common
-    import scoring
+    from machinery import scoring
     import grpo
-    import models
+    from machinery import models
 
     eos_ids = models.eos_token_ids(policy, tokenizer)
     prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
@@ -122,8 +122,8 @@ def phase_table(model_dir, task_name, settings, repeats, seed=1, variants=tuple(
     """Each variant's step: counted once, then timed `repeats` times, the variants interleaved."""
     import common
     import grpo
-    import models
-    import prompt_cache
+    from machinery import models
+    from machinery import prompt_cache
     from tasks import load_task
 
     args = grpo.Args(model=model_dir, task=task_name, scale_rewards="group", bias_corrected_kl=False, **settings)
@@ -188,7 +188,7 @@ def print_phase_table(results, peaks):
 def against_trl(model_dir, steps, work, seed=1):
     """grpo.py and TRL's GRPOTrainer at the same settings, float32 and then grpo.py's default dtype (TRL bf16=True
     where that is bfloat16): s/step after step 1."""
-    import precision
+    from machinery import precision
     import real_model
 
     default, _ = precision.choose_dtype("auto", "cpu", precision.native_bf16(CPU), model_dir)

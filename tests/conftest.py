@@ -34,7 +34,7 @@ def one_thread():
 def float32_on_every_cpu():
     """--dtype auto answers float32 on every CPU here, so what a test computes does not depend on the CPU's
     instruction set (AVX-512 BF16 or not); tests of bfloat16 ask for it, tests of auto's choice call choose_dtype."""
-    import precision
+    from machinery import precision
 
     with pytest.MonkeyPatch.context() as patch:
         real = precision.native_bf16
@@ -46,14 +46,14 @@ def float32_on_every_cpu():
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    import models
+    from machinery import models
 
     return models.load_tokenizer(models.TINY_MODEL)
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    import models
+    from machinery import models
 
     return models.load_causal_lm(models.TINY_MODEL, torch.device("cpu")).eval()
 

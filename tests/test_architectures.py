@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import transformers
 
 import common
-import models
+from machinery import models
 import ppo
 
 CPU = torch.device("cpu")
@@ -151,7 +151,7 @@ def test_logprobs_match_each_row_alone(arch):
 def test_a_prompt_shared_by_a_group_matches_each_row_alone(arch):
     """GRPO's layout, each prompt twice with another completion: the prompt computed once (prompt_cache.py, where
     the architecture's cache allows it) gives what each row fed alone gives."""
-    import prompt_cache
+    from machinery import prompt_cache
 
     name, model, _ = arch
     input_ids, attention_mask, completion_mask = ragged_batch()

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-import errors
+from machinery import errors
 import grpo
-import models
+from machinery import models
 import ppo
 from tasks import Task
 

@@ -18,14 +18,14 @@ import time
 import pytest
 import torch
 
-import checkpoints
+from machinery import checkpoints
 import grpo
-import models
+from machinery import models
 import ppo
-import rewards
+from tasks import rewards
 import tasks
-import user_tasks
-from errors import UsageError
+from tasks import user as user_tasks
+from machinery.errors import UsageError
 from tasks import Task, load_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,14 +16,14 @@ import typing
 import pytest
 import torch
 
-import bookkeeping
-import checkpoints
-import dumps
+from machinery import bookkeeping
+from machinery import checkpoints
+from machinery import dumps
 import grpo
-import models
+from machinery import models
 import ppo
-import user_tasks
-from errors import UsageError
+from tasks import user as user_tasks
+from machinery.errors import UsageError
 from tasks import Task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import grpo
-import model_checks
-import models
+from machinery import model_checks
+from machinery import models
 import ppo
-from errors import UsageError
+from machinery.errors import UsageError
 from test_bad_input_principles import run_with_flag
 
 SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}

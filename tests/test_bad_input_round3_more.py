@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-import bookkeeping
-import checkpoints
-import dumps
-import gguf_convert
+from machinery import bookkeeping
+from machinery import checkpoints
+from machinery import dumps
+from machinery import gguf_convert
 import grpo
-import models
-import user_tasks
-from errors import UsageError
+from machinery import models
+from tasks import user as user_tasks
+from machinery.errors import UsageError
 from tasks import check_dense
 from test_bad_input_round3 import small_args
 

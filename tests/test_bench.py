@@ -70,7 +70,7 @@ def test_step_speed_counts_each_phases_matmuls_and_sharing_the_prompt_cuts_them(
     """benchmarks/step_speed.py on the tiny model: FlopCounterMode counts each phase; the update (forward and
     backward) costs about 3 forwards of the reference; computing each group's prompt once counts fewer FLOPs in
     every phase, on the same completions; the timed passes give a time to every phase."""
-    import models
+    from machinery import models
 
     step_speed = load_step_speed()
     settings = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, temperature=0.7, micro_batch_size=8, beta=0.04)

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-import bookkeeping
-import errors
+from machinery import bookkeeping
+from machinery import errors
 import grpo
-import models
+from machinery import models
 import ppo
 
 

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import scoring
+from machinery import scoring
 import grpo
-import models
+from machinery import models
 import ppo
-from errors import UsageError
-from rewards import copy_dense_reward, copy_reward
+from machinery.errors import UsageError
+from tasks.rewards import copy_dense_reward, copy_reward
 from tasks import Task, load_task
 
 

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import distributed as dist
-import dumps
+from machinery import distributed as dist
+from machinery import dumps
 import grpo
-import models
+from machinery import models
 import ppo
-import prompt_cache
-from errors import UsageError
+from machinery import prompt_cache
+from machinery.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = '''EXAMPLES = [{"prompt": f"{i:03d}=", "answer": "7"} for i in range(200)]

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import scoring
+from machinery import scoring
 import grpo
-import models
+from machinery import models
 import ppo
 from tasks import load_task
 

@@ -6,7 +6,7 @@ import types
 import torch
 
 import common
-import models
+from machinery import models
 
 
 def test_decoding_strips_each_of_two_eos_ids(tiny_tokenizer):
@@ -21,7 +21,7 @@ def test_decoding_strips_each_of_two_eos_ids(tiny_tokenizer):
 
 
 def test_the_tokenizers_eos_joins_the_generation_configs(monkeypatch):
-    import model_checks
+    from machinery import model_checks
 
     monkeypatch.setattr(model_checks, "check_token_ids", lambda *args: None)  # no model behind these ids
     model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, 9]), name_or_path="m")

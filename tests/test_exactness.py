@@ -10,12 +10,12 @@ from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, p
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config
 
 import common
-import errors
+from machinery import errors
 import grpo
-import models
+from machinery import models
 import ppo
-import precision
-import rewards
+from machinery import precision
+from tasks import rewards
 from test_reproducibility import logged_scalars, only_run_dir
 
 CPU = torch.device("cpu")

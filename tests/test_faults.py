@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import bookkeeping
-import checkpoints
+from machinery import bookkeeping
+from machinery import checkpoints
 import common
-import errors
+from machinery import errors
 import grpo
-import models
+from machinery import models
 import ppo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

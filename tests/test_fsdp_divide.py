@@ -6,7 +6,7 @@ import socket
 
 import torch
 
-import distributed as dist
+from machinery import distributed as dist
 from conftest import make_small_model
 
 

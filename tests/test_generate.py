@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-import models
+from machinery import models
 from conftest import make_small_model
 
 PROMPTS = ["12=", "3=", "456=", "7="] * 8

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import gguf_convert
+from machinery import gguf_convert
 
 pytest.importorskip("gguf")
 

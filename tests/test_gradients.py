@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-import models
+from machinery import models
 import ppo
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-import models
+from machinery import models
 
 
 def slow_group_advantages(rewards, group_size, scale, eps=1e-4):

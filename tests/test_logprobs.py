@@ -78,7 +78,7 @@ def grouped_batch():
 
 def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model):
     """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients."""
-    import prompt_cache
+    from machinery import prompt_cache
 
     input_ids, attention_mask, completion_mask = grouped_batch()
     first, run = prompt_cache.prompt_runs(input_ids[:, :4], attention_mask[:, :4])
@@ -98,7 +98,7 @@ def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_mod
 
 def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer, monkeypatch):
     """generate() continuing from each group's shared prompt cache draws the same tokens as from 12 prompts."""
-    import prompt_cache
+    from machinery import prompt_cache
 
     prompts = [p for p in ("12+7=", "3=", "456+1=") for _ in range(4)]
     ids, mask = common.encode_prompts(tiny_tokenizer, prompts).values()

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import bookkeeping
+from machinery import bookkeeping
 import common
-import dumps
-import errors
+from machinery import dumps
+from machinery import errors
 import grpo
 import ppo
 

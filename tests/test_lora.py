@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytest.importorskip("peft", reason="peft is not installed (pip install -r requirements-lora.txt)")
+pytest.importorskip("peft", reason="peft is not installed (pip install -r requirements/lora.txt)")
 
-import checkpoints  # noqa: E402
+from machinery import checkpoints  # noqa: E402
 import common  # noqa: E402
 import grpo  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
+from machinery import lora  # noqa: E402
+from machinery import models  # noqa: E402
 import ppo  # noqa: E402
-from errors import UsageError  # noqa: E402
+from machinery.errors import UsageError  # noqa: E402
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -172,7 +172,7 @@ def test_resume_refuses_to_switch_lora_on_or_off(tmp_path):
 def test_torchrun_and_missing_peft_get_one_line(tmp_path, monkeypatch):
     args = lora_args("grpo", tmp_path)
     monkeypatch.setitem(__import__("sys").modules, "peft", None)  # as if not installed
-    with pytest.raises(UsageError, match="needs peft, which is not installed: pip install -r requirements-lora.txt"):
+    with pytest.raises(UsageError, match="needs peft, which is not installed: pip install -r requirements/lora.txt"):
         lora.check_args(args)
     monkeypatch.undo()
     monkeypatch.setenv("WORLD_SIZE", "2")

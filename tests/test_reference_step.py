@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import grpo
-import models
+from machinery import models
 import ppo
 from conftest import make_small_model
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import bookkeeping
-import checkpoints
-import errors
+from machinery import bookkeeping
+from machinery import checkpoints
+from machinery import errors
 import grpo
-import models
+from machinery import models
 import ppo
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
@@ -237,7 +237,7 @@ def test_sharing_each_groups_prompt_changes_no_score(tmp_path, monkeypatch):
     """Each group's prompt computed once (prompt_cache.py, in generation and every forward) against every row's
     computed alone: same seed, float32, the same completions and scores at every step; the losses agree to float32
     rounding (the matmuls add in another order)."""
-    import prompt_cache
+    from machinery import prompt_cache
 
     runs = {}
     for name in ("shared", "plain"):

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-import checkpoints
-import errors
+from machinery import checkpoints
+from machinery import errors
 import grpo
 from test_reproducibility import (SCRIPTS, assert_same_weights, final_weights, logged_scalars, only_run_dir, quick_args,
                                   resolved_args)

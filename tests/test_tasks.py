@@ -2,8 +2,8 @@
 
 import pytest
 
-from errors import UsageError
-from rewards import copy_reward
+from machinery.errors import UsageError
+from tasks.rewards import copy_reward
 from tasks import Task, copy_task, load_task
 
 
@@ -59,6 +59,6 @@ def test_held_out_split_is_a_fixed_shuffle():
 ])  # fmt: skip
 def test_match_reward_on_text_answers(completion, answer, reward):
     """Two texts that are not numbers match only when equal (two unparsable numbers are not the same number)."""
-    from rewards import match_reward
+    from tasks.rewards import match_reward
 
     assert match_reward("?", completion, answer) == reward

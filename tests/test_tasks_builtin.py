@@ -17,11 +17,11 @@ from fractions import Fraction
 
 import pytest
 
-import bookkeeping
-import models
-import rewards
+from machinery import bookkeeping
+from machinery import models
+from tasks import rewards
 import tasks
-from errors import UsageError
+from machinery.errors import UsageError
 from tasks import load_task
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

@@ -79,7 +79,8 @@ def test_a_check_that_could_not_fail_says_so(dumps, capsys):
 
 # Peers with planted bugs: this project's functions with one formula replaced, only while the adapter runs.
 PLANTED = """
-import contextlib, torch, common, grpo, ppo, verify_report
+import contextlib, torch, common, grpo, ppo
+from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 
 @contextlib.contextmanager
@@ -149,7 +150,8 @@ def test_a_planted_bug_fails_its_rows_on_the_recommended_dump(dumps, capsys, tmp
 
 def test_nan_fails_every_row(dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, """
-import torch, verify_report
+import torch
+from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 def group_advantages(batch, args):
     a = ours.group_advantages(batch, args).clone()
@@ -175,7 +177,7 @@ def train_loss(model, batch, args, critic=None):
 
 def test_a_known_difference_is_shown_not_passed(dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, """
-import verify_report
+from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 def group_advantages(batch, args):
     return ours.group_advantages(batch, dict(args, adv_eps=1e-2))
@@ -193,7 +195,7 @@ def known_differences(args, options):
 def test_the_update_row_sees_the_optimizer_state(dumps, capsys, tmp_path):
     """A fresh AdamW every step: the same first step (Adam's is scale-free), a different second."""
     adapter = write_adapter(tmp_path, """
-import verify_report
+from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 def update(model, batch, args, state):
     state.clear()
@@ -223,7 +225,7 @@ MISTAKES = {
     "returns a string": ("def loss(batch, args):\n    return 'x'", "loss() returned str, not a tensor"),
     "the wrong shape": ("import torch\ndef kl(batch, args):\n    return torch.zeros(3, 1)",
                         "kl() returned shape (3, 1) at step 1; the dump's kl is (12, 4)"),
-    "no autograd": ("import verify_report\nours = verify_report.load_adapter('self')\n"
+    "no autograd": ("from verifier import report as verify_report\nours = verify_report.load_adapter('self')\n"
                     "def train_loss(model, batch, args, critic=None):\n    return ours.train_loss(model, batch, args)"
                     ".detach()", "train_loss() returned a tensor of shape () without autograd"),
     "exits on import": ("import sys\nsys.exit(0)\ndef loss(batch, args):\n    return 1", "called sys.exit(0) on import"),
@@ -246,7 +248,7 @@ def test_ctrl_c_in_the_adapter(dumps, capsys, tmp_path):
 
 def test_a_stub_at_import_does_not_break_the_models(dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, "import sys, types\nsys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
-                            "import verify_report\nloss = verify_report.load_adapter('self').loss\n")
+                            "from verifier import report as verify_report\nloss = verify_report.load_adapter('self').loss\n")
     try:
         code, out, _ = run(capsys, dumps["plain"], "--against", adapter)
     finally:  # verify.py runs once a process: the stub must not reach the tests after this one
@@ -319,7 +321,7 @@ def test_the_command_line(dumps):
 
 def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsys, tmp_path):
     """The HF Trainer's weight-decay groups, then TRL's KL form: each named, each aligned by a flag."""
-    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
+    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements/extra.txt")
     code, out, _ = run(capsys, dumps["grpo"], "--against", "trl")
     assert code == 1 and rows(out)["update"].startswith("FAIL") and rows(out)["gradient"] == "pass", out
     assert "the HF Trainer leaves biases and norm weights out of weight decay" in out
@@ -335,7 +337,7 @@ def test_trl_matches_once_aligned_and_names_the_difference_when_not(dumps, capsy
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
 def test_trl_loss_types(capsys, tmp_path, loss_agg):
     """dapo and dr_grpo, with TRL's default bias-corrected k3 matched by --bias-corrected-kl, and GSPO."""
-    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements-extra.txt")
+    pytest.importorskip("trl", reason="trl is optional: pip install -r requirements/extra.txt")
     flags = dict(GRPO_RECIPE, loss_agg=loss_agg, scale_rewards="none", decay_norms_and_biases=False)
     if loss_agg == "token-mean":
         flags.update(importance_level="sequence", scale_rewards="batch", clip_low=3e-4, clip_high=4e-4)
@@ -379,7 +381,7 @@ def run_peer(dump, peer, env, *flags):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_verl(dumps, script):
-    code, out = run_peer(dumps[script], "verl", site_env("verl", "requirements-verl.txt"))
+    code, out = run_peer(dumps[script], "verl", site_env("verl", "requirements/verl.txt"))
     results = rows(out)
     if script == "grpo":  # the batch std of the tiny defaults has no verl counterpart; the rest agrees
         assert code == 0, out
@@ -394,7 +396,7 @@ def test_verl(dumps, script):
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_openrlhf(dumps, tmp_path, script):
     """OpenRLHF's own functions agree once a dump has its settings, and name what differs when not."""
-    env = site_env("openrlhf", "requirements-openrlhf.txt")
+    env = site_env("openrlhf", "requirements/openrlhf.txt")
     if script == "ppo":  # its controller is fed the per-token mean KL: the one difference, named and accepted
         code, out = run_peer(dumps["ppo"], "openrlhf", env)
         assert code == 1 and rows(out)["kl_coef"].startswith("FAIL at step 3") and "FAIL: kl_coef" in out, out
@@ -421,7 +423,7 @@ def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
 
 def test_the_recommended_task_mixes_prompt_lengths():
     """copy:LOW-HIGH: as many prompts of each length, so a batch is left-padded; a reversed range is refused."""
-    from errors import UsageError
+    from machinery.errors import UsageError
     from tasks import load_task
 
     task = load_task("copy:1-3")

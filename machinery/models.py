@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-import gguf_convert
-import model_checks
-from errors import UsageError
+from machinery import gguf_convert
+from machinery import model_checks
+from machinery.errors import UsageError
 
 TINY_MODEL = "tiny"
 TINY_CHARS = "0123456789+-*/=() ,.:?"  # enough for every built-in task

@@ -9,9 +9,9 @@ slower than float32, so `auto` asks the hardware first.
 
 import torch
 
-import distributed as dist
-from errors import UsageError
-from models import TINY_MODEL
+from machinery import distributed as dist
+from machinery.errors import UsageError
+from machinery.models import TINY_MODEL
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,11 +1,11 @@
 """verl 0.9.1's pure advantage, KL and loss functions (verl/trainer/ppo/core_algos.py) as a verify.py adapter.
 
-    pip install --no-deps --target .verl-site -r requirements-verl.txt    # a folder of its own
+    pip install --no-deps --target .verl-site -r requirements/verl.txt    # a folder of its own
     PYTHONPATH=.verl-site python verify.py DUMP --against verl
 
 The functions are pure torch, but importing core_algos runs verl's package __init__ (its DataProto imports ray
 and tensordict) and its config dataclasses (omegaconf, codetiming); a stub package in place of verl's __init__
-still needs ray, through verl.utils. requirements-verl.txt lists verl and exactly what that import needs,
+still needs ray, through verl.utils. requirements/verl.txt lists verl and exactly what that import needs,
 installed without their dependencies into .verl-site, so that verl's pins (transformers<5.11) never touch this
 project's environment and nothing else of it is installed. Nothing of verl is copied here.
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-import distributed as dist
-from errors import Interrupted, UsageError
+from machinery import distributed as dist
+from machinery.errors import Interrupted, UsageError
 
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.

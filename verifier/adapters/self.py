@@ -13,8 +13,8 @@ import torch
 
 import common
 import grpo
-import lora
-import models
+from machinery import lora
+from machinery import models
 import ppo
 
 ALGORITHMS = {"grpo": grpo, "ppo": ppo}

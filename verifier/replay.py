@@ -8,7 +8,7 @@ import copy
 import torch
 
 from common import select_rows
-from verify_report import EARLY, AdapterError, call, compare, loss_conditions, one_line, ppo_micro_batch, whole_batch
+from verifier.report import EARLY, AdapterError, call, compare, loss_conditions, one_line, ppo_micro_batch, whole_batch
 
 
 def gradients(loss_fn, models):

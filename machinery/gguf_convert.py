@@ -17,7 +17,7 @@ import shutil
 
 import torch
 
-from errors import UsageError, one_line
+from machinery.errors import UsageError, one_line
 
 NEEDED = ("config.json", "model.safetensors", "tokenizer_config.json")  # what a complete conversion holds
 

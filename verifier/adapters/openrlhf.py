@@ -1,6 +1,6 @@
 """OpenRLHF 0.11.2's own advantage, reward, KL and loss code as a verify.py adapter (GRPO and PPO).
 
-    pip install --no-deps --target .openrlhf-site -r requirements-openrlhf.txt    # a folder of its own
+    pip install --no-deps --target .openrlhf-site -r requirements/openrlhf.txt    # a folder of its own
     PYTHONPATH=.openrlhf-site python verify.py DUMP --against openrlhf
 
 What is called, unchanged (read in .openrlhf-site/openrlhf):
@@ -30,7 +30,7 @@ import types
 
 import torch
 
-SITE = os.environ.get("OPENRLHF_SITE") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+SITE = os.environ.get("OPENRLHF_SITE") or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                                        ".openrlhf-site")  # fmt: skip
 PACKAGES = ["openrlhf", "openrlhf.models", "openrlhf.utils", "openrlhf.trainer", "openrlhf.trainer.ppo_utils",
             "openrlhf.trainer.ray"]  # fmt: skip
@@ -57,7 +57,7 @@ def _load():
                 None)  # fmt: skip
     if root is None:
         raise ImportError(f"no openrlhf in PYTHONPATH or {SITE}: pip install --no-deps --target .openrlhf-site -r "
-                          "requirements-openrlhf.txt")  # fmt: skip
+                          "requirements/openrlhf.txt")  # fmt: skip
     for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
         if name not in sys.modules:
             package = types.ModuleType(name)

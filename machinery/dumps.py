@@ -6,8 +6,8 @@ import os
 
 import torch
 
-import distributed as dist
-from errors import UsageError
+from machinery import distributed as dist
+from machinery.errors import UsageError
 
 
 def dump_batch(path, tensors):

@@ -23,12 +23,12 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-import checkpoints
-import distributed as dist
-import lora
+from machinery import checkpoints
+from machinery import distributed as dist
+from machinery import lora
 from common import approx_kl, clip_fraction, masked_mean
-from errors import Interrupted, UsageError
-from models import TINY_MODEL
+from machinery.errors import Interrupted, UsageError
+from machinery.models import TINY_MODEL
 
 
 @dataclass

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from errors import UsageError
+from machinery.errors import UsageError
 
 _device = torch.device("cpu")  # where collectives run: gloo on CPU tensors, nccl on this process's GPU
 

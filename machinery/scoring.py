@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from errors import UsageError, shorten
+from machinery.errors import UsageError, shorten
 
 
 def score_at_last_token(scores, mask):

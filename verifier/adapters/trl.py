@@ -6,7 +6,7 @@ TRL runs its own pipeline on the dump's batch: a GRPOTrainer gets the stored com
 and its `compute_loss` gives the loss whose gradient is compared. The per-token loss and KL are TRL's own
 tensors, read as `_compute_loss` returns (TRL returns only the aggregate); the per-token loss from stored
 log-probs replaces TRL's forward by the stored ones. `update` steps the optimizer TRL's Trainer builds,
-from one step to the next. Needs trl (pip install -r requirements-extra.txt). Our flags map to TRL's:
+from one step to the next. Needs trl (pip install -r requirements/extra.txt). Our flags map to TRL's:
 
   --loss-agg seq-mean-token-mean / token-mean / seq-mean-token-sum-norm -> loss_type grpo / dapo / dr_grpo
   --scale-rewards, --importance-level, --beta, --clip-low/high, --num-iterations, --temperature,
@@ -25,7 +25,7 @@ try:
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 except ImportError as e:
-    raise ImportError(f"{e.msg}: the trl adapter needs TRL (pip install -r requirements-extra.txt)") from None
+    raise ImportError(f"{e.msg}: the trl adapter needs TRL (pip install -r requirements/extra.txt)") from None
 
 OPTIONS = {"use_bias_correction_kl": True}  # TRL's default; --set use_bias_correction_kl=false is grpo.py's
 LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}

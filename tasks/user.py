@@ -13,7 +13,7 @@ import re
 import sys
 from decimal import Decimal
 
-from errors import Interrupted, UsageError, one_line, shorten
+from machinery.errors import Interrupted, UsageError, one_line, shorten
 
 
 def number_text(value, where):

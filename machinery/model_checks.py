@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from errors import UsageError, one_line
+from machinery.errors import UsageError, one_line
 
 CHECKED = set()  # the models (by name) whose weights passed check_causal_and_finite: a reference or resume skips it
 PROBE = "Probe 7 + 5 = ?"  # a message the chat template must render
@@ -76,7 +76,7 @@ def check_same_vocabulary(model, critic):
     """A --critic-model whose vocabulary is not the policy's: its embeddings would read other tokens, or none."""
     from transformers import AutoConfig
 
-    import models
+    from machinery import models
 
     vocabulary = models.load_tokenizer(model).get_vocab()
     path = models.resolve_model_path(critic)

@@ -14,7 +14,7 @@ bytes per trained parameter apply to them alone; the frozen base costs its 4 byt
     --lora-merged also writes the policy with B A added into W, a plain transformers model (save_merged).
   - A is drawn from a generator seeded by --seed: verify.py rebuilds the same initial adapters from a dump's args.
 
-peft is imported only when --lora-rank > 0 (pip install -r requirements-lora.txt).
+peft is imported only when --lora-rank > 0 (pip install -r requirements/lora.txt).
 """
 
 import contextlib
@@ -23,9 +23,9 @@ import types
 
 import torch
 
-import distributed as dist
-import models
-from errors import UsageError
+from machinery import distributed as dist
+from machinery import models
+from machinery.errors import UsageError
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's names, so PeftModel.from_pretrained reads the folder
 PREFIX = "base_model.model."  # the key prefix of a PeftModel's own state dict, which peft's files keep
@@ -40,7 +40,7 @@ def import_peft():
     try:
         import peft
     except ImportError:
-        message = "--lora-rank needs peft, which is not installed: pip install -r requirements-lora.txt"
+        message = "--lora-rank needs peft, which is not installed: pip install -r requirements/lora.txt"
         raise UsageError(message) from None
     return peft
 
@@ -211,7 +211,7 @@ def save_merged(policy, tokenizer, folder, args):
     """With --lora-merged: the policy merged into its base as a plain transformers model in `folder`."""
     if not args.lora_merged:
         return
-    import checkpoints
+    from machinery import checkpoints
 
     merged = types.SimpleNamespace(save_pretrained=lambda path, state_dict=None: type(policy).save_pretrained(
         policy, path, state_dict=merged_state_dict(policy)), parameters=policy.parameters)  # fmt: skip

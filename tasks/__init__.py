@@ -28,12 +28,12 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from errors import UsageError, one_line, shorten
-from rewards import (
+from machinery.errors import UsageError, one_line, shorten
+from tasks.rewards import (
     arithmetic_reward, copy_dense_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward,
     last_number_reward, match_reward, parse_number,
 )  # fmt: skip
-from user_tasks import as_user_code, python_reward_and_examples, read_jsonl
+from tasks.user import as_user_code, python_reward_and_examples, read_jsonl
 
 
 @dataclass
