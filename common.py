@@ -15,10 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from machinery import distributed as dist
-from machinery import models
-from machinery import prompt_cache
-from machinery import scoring
-
+from machinery import models, prompt_cache, scoring
 
 
 class PromptSampler:
@@ -67,7 +64,9 @@ def activation_checkpointing(model):
 def set_activation_checkpointing(model, on):
     """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False}) if on else model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False}
+        ) if on else model.activation_checkpointing_disable()
     elif on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -86,10 +85,14 @@ def decoding_attention(model, prompt_ids, new_tokens):
     computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
     config = getattr(model, "config", None)
     rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
-    plain = (getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
-             and prompt_ids.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-             and torch.get_autocast_dtype("cpu") == torch.bfloat16
-             and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX)  # fmt: skip
+    plain = (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and hasattr(model, "set_attn_implementation")
+        and prompt_ids.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
+    )
     if plain:
         model.set_attn_implementation("eager")
     try:
@@ -129,7 +132,11 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     # transformers samples from the top 50 by default; the log-probs assume the full distribution.
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True, **sampling
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        **sampling,
     )
     # generate() fills every field we leave unset from model.generation_config (a chat model's repetition
     # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
@@ -137,7 +144,9 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     try:
         with generation_mode(model), decoding_attention(model, prompt_ids, max_new_tokens):
             # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
-            cache = prompt_cache.shared_prompt_cache(model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1])
+            cache = prompt_cache.shared_prompt_cache(
+                model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
+            )
             shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **shared)
     finally:
@@ -157,19 +166,33 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     answers = [ex["answer"] for ex in examples for _ in range(per_prompt)]
     with autocast(device, dtype), dist.full_weights(policy):  # under torchrun: whole for generate()
         prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
-            policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template)
+            policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
+        )
     completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-    token_scores = scoring.score_tokens(scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
-    return dict(prompts=prompts, answers=answers, completions=completions, prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-                token_scores=token_scores, rewards=token_scores.sum(1))  # fmt: skip
+    token_scores = scoring.score_tokens(
+        scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask
+    )
+    return dict(
+        prompts=prompts,
+        answers=answers,
+        completions=completions,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        token_scores=token_scores,
+        rewards=token_scores.sum(1),
+    )
 
 
 def print_samples(step, batch, per_prompt, every, count=3):
     """--sample-every: the first completion of a few prompts, with its reward (at step 1 and every `every` steps)."""
     if every and (step % every == 0 or step == 1):
         for i in range(0, min(len(batch["prompts"]), count * per_prompt), per_prompt):
-            tqdm.write(f"step {step} | {batch['prompts'][i]!r} -> {batch['completions'][i]!r} | score {batch['rewards'][i].item():.2f}")
+            tqdm.write(
+                f"step {step} | {batch['prompts'][i]!r} -> {batch['completions'][i]!r} "
+                f"| score {batch['rewards'][i].item():.2f}"
+            )
 
 
 def concat_batches(a, b):
@@ -238,8 +261,16 @@ def _logprobs_and_entropy(logits, labels, temperature, with_entropy, entropy_gra
     return logp, entropy
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_tokens=1024,
-                   return_entropy=False, entropy_grad=False):
+def token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    temperature,
+    chunk_tokens=1024,
+    return_entropy=False,
+    entropy_grad=False,
+):
     """Per-token log-probs of the completion tokens under `model`, sampled at `temperature`.
 
     input_ids, attention_mask: [B, P + T], prompt (left-padded) then completion.
@@ -260,10 +291,22 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
     cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
     if cache is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+        )
     else:  # the rows' own tokens: the last prompt token and the completion
-        out = model(input_ids=input_ids[:, -T - 1 :], attention_mask=attention_mask, position_ids=position_ids[:, -T - 1 :],
-                    use_cache=True, logits_to_keep=T + 1, **{prompt_cache.cache_argument(model): cache})  # fmt: skip
+        out = model(
+            input_ids=input_ids[:, -T - 1 :],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, -T - 1 :],
+            use_cache=True,
+            logits_to_keep=T + 1,
+            **{prompt_cache.cache_argument(model): cache},
+        )
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))
@@ -335,8 +378,14 @@ def select_rows(batch, rows):
     as long as its completion_mask); other entries (None, counts, per-step scalars) are kept as they are."""
     n = len(batch["completion_mask"])
     picked = range(n)[rows] if isinstance(rows, slice) else rows.tolist()
-    return {k: v[rows] if torch.is_tensor(v) and v.dim() > 0 and len(v) == n
-            else [v[i] for i in picked] if isinstance(v, list) and len(v) == n else v for k, v in batch.items()}  # fmt: skip
+    return {
+        k: v[rows]
+        if torch.is_tensor(v) and v.dim() > 0 and len(v) == n
+        else [v[i] for i in picked]
+        if isinstance(v, list) and len(v) == n
+        else v
+        for k, v in batch.items()
+    }
 
 
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
@@ -383,4 +432,7 @@ def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num
         placed = scoring.score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
         rewards += placed.sum(1).tolist()  # a dense reward counts as its total
     # 1e-6: a dense reward's float32 total of a right answer can fall just short of 1 (3 x 1/3)
-    return {"eval/accuracy": sum(r >= 1 - 1e-6 for r in rewards) / len(rewards), "eval/reward": sum(rewards) / len(rewards)}
+    return {
+        "eval/accuracy": sum(r >= 1 - 1e-6 for r in rewards) / len(rewards),
+        "eval/reward": sum(rewards) / len(rewards),
+    }

@@ -35,14 +35,9 @@ from typing import Literal, Optional
 import torch
 from tqdm import tqdm
 
-from machinery import bookkeeping
-from machinery import checkpoints
 import common
+from machinery import bookkeeping, checkpoints, dumps, lora, models, precision
 from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
-from machinery import dumps
-from machinery import lora
-from machinery import models
-from machinery import precision
 from machinery.errors import UsageError
 from tasks import load_task
 
@@ -77,7 +72,8 @@ class Args(bookkeeping.RunArgs):
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled); 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     decay_norms_and_biases: bool = True
-    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer (TRL) does"""
+    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer
+    (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
@@ -111,8 +107,15 @@ class Args(bookkeeping.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, scale_rewards="group", beta=0.04,
-                    bias_corrected_kl=False, micro_batch_size=8)  # fmt: skip
+HUB_DEFAULTS = dict(
+    num_steps=500,
+    max_new_tokens=512,
+    learning_rate=1e-6,
+    scale_rewards="group",
+    beta=0.04,
+    bias_corrected_kl=False,
+    micro_batch_size=8,
+)
 DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
 
 
@@ -121,7 +124,14 @@ def check_args(args):
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
     bookkeeping.check_positive(
-        args, "prompts_per_step", "max_new_tokens", "num_steps", "num_iterations", "micro_batch_size", "max_sampling_rounds")
+        args,
+        "prompts_per_step",
+        "max_new_tokens",
+        "num_steps",
+        "num_iterations",
+        "micro_batch_size",
+        "max_sampling_rounds",
+    )
     bookkeeping.check_range(args, ">= 0", "beta")
     bookkeeping.check_range(args, "> 0", "adv_eps")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
@@ -220,8 +230,17 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
             kl_ref = kl_ref * torch.exp(logratio)
         per_token_loss = pg_loss + args.beta * kl_ref
     loss = aggregate_loss(per_token_loss, mask, args.loss_agg, total_seqs, total_tokens, args.max_new_tokens)
-    terms = dict(new_logp=new_logp, old_logp=old_logp, advantages=advantages[:, None], mask=mask,
-                 logratio=logratio, pg_loss=pg_loss, kl_ref=kl_ref, per_token_loss=per_token_loss * mask, loss=loss)
+    terms = dict(
+        new_logp=new_logp,
+        old_logp=old_logp,
+        advantages=advantages[:, None],
+        mask=mask,
+        logratio=logratio,
+        pg_loss=pg_loss,
+        kl_ref=kl_ref,
+        per_token_loss=per_token_loss * mask,
+        loss=loss,
+    )
     return loss, {key: value.detach() for key, value in terms.items() if value is not None}
 
 
@@ -231,8 +250,16 @@ def compute_loss(outputs, batch, args):
     num_tokens: the whole batch's), from the policy's outputs (new_logp). A new loss term goes here."""
     new_logp, old_logp = outputs["new_logp"], batch.get("old_logp")
     old_logp = new_logp.detach() if old_logp is None else old_logp
-    return grpo_loss(new_logp, old_logp, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
-                     batch["num_seqs"], batch["num_tokens"], args)
+    return grpo_loss(
+        new_logp,
+        old_logp,
+        batch.get("ref_logp"),
+        batch["advantages"],
+        batch["completion_mask"],
+        batch["num_seqs"],
+        batch["num_tokens"],
+        args,
+    )
 
 
 def dynamic_sampling(sample, args):
@@ -279,8 +306,12 @@ def main(args, flags_given=()):
     eos_ids = models.eos_token_ids(policy, tokenizer)
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
     policy, ref_model = dist.shard(policy, ref_model)
-    optimizer = torch.optim.AdamW(common.adamw_param_groups(policy, args.weight_decay, args.decay_norms_and_biases), lr=args.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    optimizer = torch.optim.AdamW(
+        common.adamw_param_groups(policy, args.weight_decay, args.decay_norms_and_biases), lr=args.learning_rate
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
+    )
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = 1, {"score": [], "length": [], "tokens": 0}
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
@@ -291,12 +322,30 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(range(first_step, args.num_steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps, disable=not dist.is_main())
+    pbar = tqdm(
+        range(first_step, args.num_steps + 1),
+        desc="grpo",
+        dynamic_ncols=True,
+        initial=first_step - 1,
+        total=args.num_steps,
+        disable=not dist.is_main(),
+    )
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
-            sample = lambda: common.rollout(policy, tokenizer, scorer, sampler.sample(args.prompts_per_step)[  # noqa: E731
-                dist.rows(args.prompts_per_step // dist.world_size())], args.group_size, args, device, dtype, eos_ids)
+            sample = lambda: common.rollout(
+                policy,
+                tokenizer,
+                scorer,
+                sampler.sample(args.prompts_per_step)[  # noqa: E731
+                    dist.rows(args.prompts_per_step // dist.world_size())
+                ],
+                args.group_size,
+                args,
+                device,
+                dtype,
+                eos_ids,
+            )
             sampled, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
             rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
 
@@ -309,13 +358,23 @@ def main(args, flags_given=()):
             N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):
-                forward = lambda model: torch.cat([common.token_logprobs(  # noqa: E731
-                    model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature) for m in micro_batches])
+                forward = lambda model: torch.cat(
+                    [
+                        common.token_logprobs(  # noqa: E731
+                            model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature
+                        )
+                        for m in micro_batches
+                    ]
+                )
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
                 b_old_logp = forward(policy) if args.num_iterations > 1 else None
                 b_ref_logp = forward(ref_model) if ref_model else None
-            b_rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
-                             rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
+            b_rollout = dict(
+                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                rewards=rewards,
+                advantages=advantages,
+                ref_logp=b_ref_logp,
+            )
             batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
         # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
@@ -328,7 +387,11 @@ def main(args, flags_given=()):
                 for micro in micro_batches:
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
+                            policy,
+                            b_input_ids[micro],
+                            b_attention_mask[micro],
+                            b_mask[micro],
+                            args.temperature,
                             return_entropy=True,
                         )  # [n, T]
                     loss, terms = compute_loss(dict(new_logp=new_logp), common.select_rows(batch, micro), args)
@@ -345,23 +408,41 @@ def main(args, flags_given=()):
         lengths = dist.gather(b_mask.sum(1).float())
         history["score"].append(all_rewards.mean().item())  # GRPO's reward is the task score: its KL is in the loss
         history["length"].append(lengths.mean().item())
-        baseline = all_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
-        scalars = {"charts/score": history["score"][-1], "charts/reward_std": all_rewards.std(),
-                   "charts/sampled_completions": rounds * args.prompts_per_step * args.group_size,
-                   "charts/informative_groups": (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean(),
-                   "charts/completion_length": lengths.mean(), "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                   "losses/explained_variance": common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)),
-                   "losses/grad_norm": dist.local(grad_norm)}  # fmt: skip
+        baseline = (
+            all_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)
+        )  # the group mean, [N]
+        scalars = {
+            "charts/score": history["score"][-1],
+            "charts/reward_std": all_rewards.std(),
+            "charts/sampled_completions": rounds * args.prompts_per_step * args.group_size,
+            "charts/informative_groups": (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean(),
+            "charts/completion_length": lengths.mean(),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/explained_variance": common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)),
+            "losses/grad_norm": dist.local(grad_norm),
+        }
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template))
+                scalars.update(
+                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
+                )
         bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
-            checkpoints.save_checkpoint(checkpoint_dir, "grpo", args, {"policy": policy}, tokenizer,
-                                        step, optimizer, scheduler, sampler, history=history)
+            checkpoints.save_checkpoint(
+                checkpoint_dir,
+                "grpo",
+                args,
+                {"policy": policy},
+                tokenizer,
+                step,
+                optimizer,
+                scheduler,
+                sampler,
+                history=history,
+            )
         if stop.name:
             stop.exit(step, writer, "grpo")
 

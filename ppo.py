@@ -32,15 +32,9 @@ from typing import Literal, Optional
 import torch
 from tqdm import tqdm
 
-from machinery import bookkeeping
-from machinery import checkpoints
 import common
-from machinery import scoring
+from machinery import bookkeeping, checkpoints, dumps, lora, models, precision, scoring
 from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
-from machinery import dumps
-from machinery import lora
-from machinery import models
-from machinery import precision
 from machinery.errors import UsageError
 from tasks import load_task
 
@@ -79,7 +73,8 @@ class Args(bookkeeping.RunArgs):
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled), of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     decay_norms_and_biases: bool = True
-    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer (TRL) does"""
+    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer
+    (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
@@ -123,22 +118,42 @@ class Args(bookkeeping.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, critic_learning_rate=1e-5,
-                    update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0, micro_batch_size=8)
+HUB_DEFAULTS = dict(
+    num_steps=500,
+    max_new_tokens=512,
+    learning_rate=1e-6,
+    critic_learning_rate=1e-5,
+    update_epochs=4,
+    num_minibatches=4,
+    kl_coef=0.05,
+    missing_eos_penalty=0.0,
+    micro_batch_size=8,
+)
 # A dump keeps these of the last update's first micro-batch (the models have moved), and every minibatch's rows.
 DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 
 
 def check_args(args):
     bookkeeping.check_run_args(args)
-    bookkeeping.check_positive(args, "prompts_per_step", "samples_per_prompt", "max_new_tokens", "num_steps",
-                               "update_epochs", "num_minibatches", "micro_batch_size", "kl_horizon")  # fmt: skip
+    bookkeeping.check_positive(
+        args,
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_new_tokens",
+        "num_steps",
+        "update_epochs",
+        "num_minibatches",
+        "micro_batch_size",
+        "kl_horizon",
+    )
     dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
     batch_size = args.prompts_per_step * args.samples_per_prompt
     per_process = batch_size // dist.world_size()
     if per_process % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions"
-                         f"{' per process' if dist.world_size() > 1 else ''}: pick a divisor")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions"
+            f"{' per process' if dist.world_size() > 1 else ''}: pick a divisor"
+        )
     bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
     bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
@@ -146,8 +161,10 @@ def check_args(args):
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon
-        raise UsageError(f"--kl-horizon {args.kl_horizon} is below the {batch_size} completions of a step: the KL "
-                         f"coefficient could turn negative; use at least {batch_size}")
+        raise UsageError(
+            f"--kl-horizon {args.kl_horizon} is below the {batch_size} completions of a step: the KL "
+            f"coefficient could turn negative; use at least {batch_size}"
+        )
 
 
 class Critic(torch.nn.Module):
@@ -168,11 +185,14 @@ class Critic(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         position_ids = common.position_ids_from_mask(attention_mask)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         return self.value_head(hidden.last_hidden_state).squeeze(-1).float()  # [B, L]
 
     def save_pretrained(self, folder, state_dict=None):
-        """The backbone as a transformers folder (AutoModel reloads it), the head beside it; from `state_dict` if given."""
+        """The backbone as a transformers folder (AutoModel reloads it), the head beside it; from `state_dict` if
+        given."""
         models.save_backbone_and_head(self.backbone, state_dict or self.state_dict(), folder)
 
 
@@ -191,7 +211,9 @@ def token_values(critic, input_ids, attention_mask, completion_mask):
     if critic is None:
         return torch.zeros(completion_mask.shape, device=completion_mask.device)
     T = completion_mask.shape[1]
-    return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as for log-probs
+    return (
+        critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask
+    )  # the state before token t, as for log-probs
 
 
 def kl_estimate(logp, ref_logp, kind):
@@ -253,15 +275,14 @@ def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
 def clipped_value_loss(values, old_values, returns, cliprange_value):
     """Per-token clipped value loss (the PPO2 baselines / Ziegler et al. 2019 form):
 
-      V_clip = V_old + clip(V - V_old, -c, c)
-      loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    V_clip = V_old + clip(V - V_old, -c, c)
+    loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
     """
     values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     return 0.5 * torch.max((values - returns) ** 2, (values_clipped - returns) ** 2)
 
 
-def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args,
-             entropy):
+def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, mask, minibatch_tokens, args, entropy):
     """PPO's loss on one micro-batch (Schulman et al. 2017, eq. 9), as its share of its minibatch's loss:
 
       L_t  = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high)) + vf_coef * value_loss_t
@@ -277,9 +298,19 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
     v_loss = clipped_value_loss(new_values, old_values, returns, args.cliprange_value)  # [n, T]
     per_token_loss = (pg_loss + args.vf_coef * v_loss - args.ent_coef * entropy) * mask  # [n, T], 0 on padding
     loss = per_token_loss.sum() / max(minibatch_tokens, 1)
-    terms = dict(new_logp=new_logp, new_values=new_values, old_values=old_values, advantages=advantages, mask=mask,
-                 logratio=logratio, pg_loss=pg_loss, v_loss=v_loss, entropy=entropy,
-                 per_token_loss=per_token_loss, loss=loss)
+    terms = dict(
+        new_logp=new_logp,
+        new_values=new_values,
+        old_values=old_values,
+        advantages=advantages,
+        mask=mask,
+        logratio=logratio,
+        pg_loss=pg_loss,
+        v_loss=v_loss,
+        entropy=entropy,
+        per_token_loss=per_token_loss,
+        loss=loss,
+    )
     return loss, {key: value.detach() for key, value in terms.items()}
 
 
@@ -317,9 +348,18 @@ def compute_loss(outputs, batch, args):
     """ppo_loss from the models' outputs (new_logp, new_values, entropy) on a micro-batch of the dump's names
     (num_tokens: its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term
     goes here."""
-    return ppo_loss(outputs["new_logp"], batch["old_logp"], batch["advantages"], outputs["new_values"],
-                    batch["values"], batch["returns"], batch["completion_mask"], batch["num_tokens"], args,
-                    outputs["entropy"])  # fmt: skip
+    return ppo_loss(
+        outputs["new_logp"],
+        batch["old_logp"],
+        batch["advantages"],
+        outputs["new_values"],
+        batch["values"],
+        batch["returns"],
+        batch["completion_mask"],
+        batch["num_tokens"],
+        args,
+        outputs["entropy"],
+    )
 
 
 def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
@@ -365,14 +405,23 @@ def main(args, flags_given=()):
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
     policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
     lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
-    optimizer = torch.optim.AdamW([dict(group, lr=lrs[name]) for name, model in trained.items()
-                                   for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    optimizer = torch.optim.AdamW(
+        [
+            dict(group, lr=lrs[name])
+            for name, model in trained.items()
+            for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)
+        ]
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
+    )
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
     if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
         for name, model in trained.items():  # each from its own folder of the checkpoint
-            lora.restore_weights(model, os.path.join(args.resume, name), load_critic if name == "critic" else models.load_causal_lm)
+            lora.restore_weights(
+                model, os.path.join(args.resume, name), load_critic if name == "critic" else models.load_causal_lm
+            )
         first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
         kl_coef = state["kl_coef"]
     writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
@@ -380,31 +429,57 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(range(first_step, args.num_steps + 1), desc="ppo", dynamic_ncols=True, initial=first_step - 1, total=args.num_steps, disable=not dist.is_main())
+    pbar = tqdm(
+        range(first_step, args.num_steps + 1),
+        desc="ppo",
+        dynamic_ncols=True,
+        initial=first_step - 1,
+        total=args.num_steps,
+        disable=not dist.is_main(),
+    )
     for step in pbar:
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
             examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
-            sampled = common.rollout(policy, tokenizer, scorer, examples, args.samples_per_prompt, args, device, dtype, eos_ids)
-            b_scores, scores, b_mask = sampled["token_scores"], sampled["rewards"], sampled["completion_mask"]  # [N, T], [N]
+            sampled = common.rollout(
+                policy, tokenizer, scorer, examples, args.samples_per_prompt, args, device, dtype, eos_ids
+            )
+            b_scores, scores, b_mask = (
+                sampled["token_scores"],
+                sampled["rewards"],
+                sampled["completion_mask"],
+            )  # [N, T], [N]
             b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
             N = len(scores)
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat([fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m])  # noqa: E731
-                                                       for m in micro_batches])  # fmt: skip
+                forward = lambda fn, model: torch.cat(
+                    [
+                        fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m])  # noqa: E731
+                        for m in micro_batches
+                    ]
+                )
                 logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)  # noqa: E731
                 b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
                 b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
 
-            b_rollout = dict({key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
-                             scores=scores, token_scores=b_scores, values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp,
-                             eos_ids=torch.tensor(eos_ids, device=device), kl_coef=torch.tensor(kl_coef))  # fmt: skip
+            b_rollout = dict(
+                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                scores=scores,
+                token_scores=b_scores,
+                values=b_values,
+                old_logp=b_old_logp,
+                ref_logp=b_ref_logp,
+                eos_ids=torch.tensor(eos_ids, device=device),
+                kl_coef=torch.tensor(kl_coef),
+            )
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
             b_rewards, kl = compute_rewards(b_rollout, args, mean=dist.masked_mean)  # [N, T] each
-            b_advantages, b_returns = compute_advantages(dict(b_rollout, rewards=b_rewards), args, mean=dist.masked_mean)
+            b_advantages, b_returns = compute_advantages(
+                dict(b_rollout, rewards=b_rewards), args, mean=dist.masked_mean
+            )
             b_rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
         # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
@@ -424,19 +499,35 @@ def main(args, flags_given=()):
                         micro = mb_inds[micro_start : micro_start + args.micro_batch_size]
                         with common.autocast(device, dtype):
                             new_logp, entropy = common.token_logprobs(
-                                policy, b_input_ids[micro], b_attention_mask[micro], b_mask[micro], args.temperature,
-                                return_entropy=True, entropy_grad=args.ent_coef > 0,
+                                policy,
+                                b_input_ids[micro],
+                                b_attention_mask[micro],
+                                b_mask[micro],
+                                args.temperature,
+                                return_entropy=True,
+                                entropy_grad=args.ent_coef > 0,
                             )  # [n, T]; the entropy a constant (for the logs) unless it is in the loss
-                            new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
-                        micro_batch = {k: b_rollout[k][micro] for k in ("old_logp", "advantages", "values", "returns", "completion_mask")}
+                            new_values = token_values(
+                                critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro]
+                            )
+                        micro_batch = {
+                            k: b_rollout[k][micro]
+                            for k in ("old_logp", "advantages", "values", "returns", "completion_mask")
+                        }
                         outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
                         loss, terms = compute_loss(outputs, dict(micro_batch, num_tokens=mb_tokens), args)
                         loss.backward()
                         updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
-                    grad_norm, *critic_grad_norm = [torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                                                    for model in trained.values()]  # each model's own, policy first
-                    dump = dumps.batch_dump(b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates])
-                    dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm))
+                    grad_norm, *critic_grad_norm = [
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        for model in trained.values()
+                    ]  # each model's own, policy first
+                    dump = dumps.batch_dump(
+                        b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates]
+                    )
+                    dumps.stop_if_not_finite(
+                        step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm)
+                    )
                     optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
@@ -445,24 +536,42 @@ def main(args, flags_given=()):
         scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
         history["score"].append(scores.mean().item())
         history["length"].append(lengths.mean().item())
-        scalars = {"charts/reward": seq_rewards.mean(), "charts/score": history["score"][-1],  # reward: score - penalties
-                   "charts/reward_std": seq_rewards.std(), "charts/completion_length": lengths.mean(),
-                   "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/kl_coef": kl_coef,
-                   "losses/explained_variance": common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean),
-                   "losses/grad_norm": dist.local(grad_norm)}  # fmt: skip
+        scalars = {
+            "charts/reward": seq_rewards.mean(),
+            "charts/score": history["score"][-1],  # reward: score - penalties
+            "charts/reward_std": seq_rewards.std(),
+            "charts/completion_length": lengths.mean(),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/kl_coef": kl_coef,
+            "losses/explained_variance": common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean),
+            "losses/grad_norm": dist.local(grad_norm),
+        }
         if ref_model is not None:
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template))
+                scalars.update(
+                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
+                )
         bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
         kl_coef = next_kl_coef(b_rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
-            checkpoints.save_checkpoint(checkpoint_dir, "ppo", args, trained, tokenizer,
-                                        step, optimizer, scheduler, sampler, history=history, kl_coef=kl_coef)
+            checkpoints.save_checkpoint(
+                checkpoint_dir,
+                "ppo",
+                args,
+                trained,
+                tokenizer,
+                step,
+                optimizer,
+                scheduler,
+                sampler,
+                history=history,
+                kl_coef=kl_coef,
+            )
         if stop.name:
             stop.exit(step, writer, "ppo")
 

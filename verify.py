@@ -17,8 +17,8 @@ aggregation and clip ranges are flags too). The recommended dumps exercise every
 of different lengths (left padding), completions that end early and some without EOS, ratios away from 1
 (GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped on both sides, values
 moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a temperature and a gamma
-other than 1, micro-batches smaller than their minibatch, weight decay and a clipped gradient norm. A row whose branch no step
-exercised says so ("never exercised: ..."), in place of a plain pass.
+other than 1, micro-batches smaller than their minibatch, weight decay and a clipped gradient norm. A row whose
+branch no step exercised says so ("never exercised: ..."), in place of a plain pass.
 
 Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
 positions; the table has one row per quantity (the largest difference over the steps), its tolerance, and the
@@ -68,18 +68,26 @@ import sys
 import torch
 
 from verifier.replay import check_grpo_weights, check_ppo_weights, check_update
-from verifier.report import (EARLY, QUANTITIES, TOLERANCES, AdapterError, Interrupted, Report,  # noqa: F401
-                           VerifyError, as_tensor, call, compare, load_adapter, load_dump, loss_conditions, one_line,
-                           parse_options, parse_tolerances, ppo_micro_batch, whole_batch)  # fmt: skip
-
-
-
-
-
-
-
-
-
+from verifier.report import (  # noqa: F401
+    EARLY,
+    QUANTITIES,
+    TOLERANCES,
+    AdapterError,
+    Interrupted,
+    Report,
+    VerifyError,
+    as_tensor,
+    call,
+    compare,
+    load_adapter,
+    load_dump,
+    loss_conditions,
+    one_line,
+    parse_options,
+    parse_tolerances,
+    ppo_micro_batch,
+    whole_batch,
+)
 
 
 def check_advantages(report, adapter, step, d, batch, args):
@@ -92,8 +100,17 @@ def check_advantages(report, adapter, step, d, batch, args):
             adv = adv[:, 0] if adv.shape == (len(mask), 1) else adv
             if adv.shape == mask.shape:  # one advantage per token: compared on the real tokens
                 adv, expected = adv, expected[:, None].expand_as(mask)
-        compare(report, "advantages", step, adapter, "group_advantages", adv, expected,
-                mask if expected is not None and expected.dim() == 2 else None, "advantages")  # fmt: skip
+        compare(
+            report,
+            "advantages",
+            step,
+            adapter,
+            "group_advantages",
+            adv,
+            expected,
+            mask if expected is not None and expected.dim() == 2 else None,
+            "advantages",
+        )
         report.skip("advantages", why)
         group_std = d["rewards"].view(-1, args["group_size"]).std(1)
         report.exercise("advantages", "a group whose rewards differ", (group_std > 0).any())
@@ -119,8 +136,11 @@ def check_rewards(report, adapter, ref, step, d, batch, args):
     report.skip("rewards", why)
     has_eos = (torch.isin(d["completion_ids"], d["eos_ids"]) & mask.bool()).any(1)
     report.exercise("rewards", "a KL that is not 0", (ref.rewards_kl(batch, args) != 0).any() and d["kl_coef"] != 0)
-    report.exercise("rewards", "a completion without EOS, with --missing-eos-penalty > 0",
-                    (~has_eos).any() and args["missing_eos_penalty"] > 0)  # fmt: skip
+    report.exercise(
+        "rewards",
+        "a completion without EOS, with --missing-eos-penalty > 0",
+        (~has_eos).any() and args["missing_eos_penalty"] > 0,
+    )
     report.exercise("rewards", "a completion with EOS", has_eos.any())
     report.exercise("rewards", EARLY, (mask[:, -1] == 0).any())
 
@@ -155,8 +175,17 @@ def check_pure(report, adapter, ref, step, d, args):
         return
     mask = loss_batch["completion_mask"]
     theirs, why = call(adapter, "per_token_loss", loss_batch, args)
-    compare(report, "per-token loss", step, adapter, "per_token_loss", theirs, d.get("per_token_loss"), mask,
-            "per_token_loss")  # fmt: skip
+    compare(
+        report,
+        "per-token loss",
+        step,
+        adapter,
+        "per_token_loss",
+        theirs,
+        d.get("per_token_loss"),
+        mask,
+        "per_token_loss",
+    )
     report.skip("per-token loss", why)
     theirs, why = call(adapter, "loss", loss_batch, args)
     compare(report, "loss", step, adapter, "loss", theirs, d.get("loss"), None, "loss")
@@ -181,26 +210,6 @@ def check_kl_coef(report, adapter, ref, steps, args):
     report.skip("kl_coef", "needs two consecutive steps")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
     """Every check on every step the dump allows: (Report, notes)."""
     ref = load_adapter("self")
@@ -211,8 +220,10 @@ def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
             raise VerifyError(f"--accept {quantity!r}: the quantities are {', '.join(QUANTITIES)}")
         if quantity not in known:
             declared = ", ".join(known) or "none"
-            raise VerifyError(f"--accept {quantity}: adapter {adapter.label!r} declares no known difference for it "
-                              f"(it declares: {declared})")  # fmt: skip
+            raise VerifyError(
+                f"--accept {quantity}: adapter {adapter.label!r} declares no known difference for it "
+                f"(it declares: {declared})"
+            )
     if hasattr(adapter, "setup"):
         _, why = call(adapter, "setup", args, options, copy.deepcopy(initial))
         if why:
@@ -245,8 +256,13 @@ def main(argv=None):
     parser.add_argument("--against", default="self", help="adapter: self, trl, verl, openrlhf, or a .py file")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
     parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
-    parser.add_argument("--accept", action="append", default=[], metavar="QUANTITY",
-                        help="accept the adapter's declared known difference in this quantity (shown, not passed)")
+    parser.add_argument(
+        "--accept",
+        action="append",
+        default=[],
+        metavar="QUANTITY",
+        help="accept the adapter's declared known difference in this quantity (shown, not passed)",
+    )
     opts = parser.parse_args(argv)
     try:
         tolerances = parse_tolerances(opts.tol)
@@ -255,8 +271,10 @@ def main(argv=None):
         try:  # before the adapter is imported: what it stubs cannot break the models' loading
             models = ref.initial_models(args)
         except (Exception, SystemExit) as e:
-            raise VerifyError(f"the dump's model {args['model']!r} cannot be loaded ({one_line(e)}): it must be "
-                              "where the run found it") from None  # fmt: skip
+            raise VerifyError(
+                f"the dump's model {args['model']!r} cannot be loaded ({one_line(e)}): it must be "
+                "where the run found it"
+            ) from None
         adapter = load_adapter(opts.against)
         options = parse_options(adapter, opts.set)
         torch.manual_seed(0)
@@ -285,8 +303,10 @@ def main(argv=None):
     if failures:
         print(f"FAIL: {', '.join(failures)}")
     else:
-        print("all checks that ran passed" + (f"; never exercised by this dump: {', '.join(unexercised)} (see the "
-                                                "table)" if unexercised else ""))  # fmt: skip
+        print(
+            "all checks that ran passed"
+            + (f"; never exercised by this dump: {', '.join(unexercised)} (see the table)" if unexercised else "")
+        )
     return 1 if failures else 0
 
 

@@ -28,33 +28,66 @@ import verify  # noqa: E402
 
 GROUP = dict(scale_rewards="group")
 # verify.py's recommended dumps (its docstring): every branch of every row exercised.
-GRPO_RECIPE = dict(task="copy:1-3", num_iterations=2, clip_low=0.05, clip_high=0.05, beta=0.1, max_new_tokens=4,
-                   prompts_per_step=16, group_size=8, temperature=0.8, weight_decay=0.1)  # fmt: skip
-PPO_RECIPE = dict(task="copy:1-3", num_steps=3, prompts_per_step=16, critic_learning_rate=1e-2, clip_low=0.05,
-                  clip_high=0.05, cliprange_value=0.01, target_kl=2.0, kl_horizon=100, max_new_tokens=4,
-                  temperature=0.8, gamma=0.95, micro_batch_size=4)  # fmt: skip
+GRPO_RECIPE = dict(
+    task="copy:1-3",
+    num_iterations=2,
+    clip_low=0.05,
+    clip_high=0.05,
+    beta=0.1,
+    max_new_tokens=4,
+    prompts_per_step=16,
+    group_size=8,
+    temperature=0.8,
+    weight_decay=0.1,
+)
+PPO_RECIPE = dict(
+    task="copy:1-3",
+    num_steps=3,
+    prompts_per_step=16,
+    critic_learning_rate=1e-2,
+    clip_low=0.05,
+    clip_high=0.05,
+    cliprange_value=0.01,
+    target_kl=2.0,
+    kl_horizon=100,
+    max_new_tokens=4,
+    temperature=0.8,
+    gamma=0.95,
+    micro_batch_size=4,
+)
 MODES = {
     "GRPO, verify.py's recommended dump": ("grpo", GRPO_RECIPE),
     "GRPO, recommended, --no-decay-norms-and-biases (the HF Trainer's groups)": (
-        "grpo", dict(GRPO_RECIPE, decay_norms_and_biases=False)),
+        "grpo",
+        dict(GRPO_RECIPE, decay_norms_and_biases=False),
+    ),
     "GRPO, recommended, OpenRLHF's settings (group std, --adv-eps 1e-9, paper's k3)": (
-        "grpo", dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False)),
+        "grpo",
+        dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False),
+    ),
     "PPO, verify.py's recommended dump": ("ppo", PPO_RECIPE),
     "GRPO paper (group std, seq-mean-token-mean, beta 0.1)": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=False)),
     "GRPO, --bias-corrected-kl": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True)),
-    "DAPO (token-mean, clip-high 0.28, beta 0)": ("grpo", dict(GROUP, loss_agg="token-mean", clip_high=0.28,
-                                                             beta=0.0)),
-    "Dr. GRPO (no std, seq-mean-token-sum-norm)": ("grpo", dict(scale_rewards="none", beta=0.0,
-                                                              loss_agg="seq-mean-token-sum-norm")),
-    "GSPO (sequence ratio, 2 iterations)": ("grpo", dict(importance_level="sequence", num_iterations=2,
-                                                       clip_low=3e-4, clip_high=4e-4, beta=0.0)),
+    "DAPO (token-mean, clip-high 0.28, beta 0)": ("grpo", dict(GROUP, loss_agg="token-mean", clip_high=0.28, beta=0.0)),
+    "Dr. GRPO (no std, seq-mean-token-sum-norm)": (
+        "grpo",
+        dict(scale_rewards="none", beta=0.0, loss_agg="seq-mean-token-sum-norm"),
+    ),
+    "GSPO (sequence ratio, 2 iterations)": (
+        "grpo",
+        dict(importance_level="sequence", num_iterations=2, clip_low=3e-4, clip_high=4e-4, beta=0.0),
+    ),
     "GRPO, --weight-decay 0.1": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True, weight_decay=0.1)),
-    "GRPO, --weight-decay 0.1 --no-decay-norms-and-biases": ("grpo", dict(GROUP, beta=0.1, bias_corrected_kl=True,
-                                                                         weight_decay=0.1, decay_norms_and_biases=False)),
+    "GRPO, --weight-decay 0.1 --no-decay-norms-and-biases": (
+        "grpo",
+        dict(GROUP, beta=0.1, bias_corrected_kl=True, weight_decay=0.1, decay_norms_and_biases=False),
+    ),
     "PPO (k1 penalty, GAE 1 / 0.95)": ("ppo", dict()),
-    "PPO (k3 penalty, GAE 0.9 / 0.8, micro-batches of 4)": ("ppo", dict(kl_estimator="k3", gamma=0.9, lam=0.8,
-                                                                        micro_batch_size=4)),
-}  # fmt: skip
+    "PPO (k3 penalty, GAE 0.9 / 0.8, micro-batches of 4)": (
+        "ppo",
+        dict(kl_estimator="k3", gamma=0.9, lam=0.8, micro_batch_size=4),
+    ),
+}
 
 
 def peers(script, args, with_verl, with_openrlhf):

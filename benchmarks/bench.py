@@ -34,11 +34,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QWEN25 = dict(num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
 SHAPES = {
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=2048),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, **QWEN25),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, **QWEN25),
-}  # fmt: skip
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, **QWEN25
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, **QWEN25
+    ),
+}
 PROMPT_DIGITS = 64  # each prompt: "Repeat: " and 64 random digits, 72 tokens of the byte-level tokenizer
 # The answer is the first of them, so that any --max-new-tokens fits it; the throughput is the point, not the reward.
 
@@ -62,7 +74,9 @@ def build_model(shape, folder, device):
 
     logging.disable_progress_bar()
     tokenizer = byte_tokenizer()
-    config = Qwen2Config(**SHAPES[shape], pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        **SHAPES[shape], pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1.5B parameters on a CPU alone takes a minute
         model = Qwen2ForCausalLM(config)
@@ -96,14 +110,35 @@ def read_scalars(run_dir):
 
 def run_script(script, model_dir, task, args, output_dir):
     """Run grpo.py or ppo.py for args.steps steps; the same number of completions per step for both."""
-    flags = ["--model", model_dir, "--task", task, "--num-steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
-             "--micro-batch-size", str(args.micro_batch_size), "--sample-every", "0", "--output-dir", output_dir]  # fmt: skip
+    flags = [
+        "--model",
+        model_dir,
+        "--task",
+        task,
+        "--num-steps",
+        str(args.steps),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--sample-every",
+        "0",
+        "--output-dir",
+        output_dir,
+    ]
     if script == "grpo":
         flags += ["--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)]
     else:  # PPO needs no group: as many distinct prompts, one completion each
-        flags += ["--prompts-per-step", str(args.prompts_per_step * args.group_size), "--update-epochs", str(args.update_epochs)]
+        flags += [
+            "--prompts-per-step",
+            str(args.prompts_per_step * args.group_size),
+            "--update-epochs",
+            str(args.update_epochs),
+        ]
         flags += ["--num-minibatches", str(args.num_minibatches)]
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)] if args.nproc > 1 else [])
+    launcher = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)] if args.nproc > 1 else []
+    )
     result = subprocess.run([*launcher, f"{script}.py", *flags], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{script}.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -124,28 +159,56 @@ def measure(script, shape, scalars, prompt_tokens, args, device):
     params = scalars["charts/params_policy"][0] + scalars.get("charts/params_critic", {}).get(0, 0)
     mfu = 6 * params * trained / train_seconds / (args.peak_tflops * 1e12 * args.nproc)  # per GPU
     return {
-        "script": script, "shape": shape, "trained params": f"{params / 1e6:,.0f}M", "completions/step": completions,
-        "rollout tokens/s": f"{generated / rollout_seconds:,.0f}", "training tokens/s": f"{trained / train_seconds:,.0f}",
+        "script": script,
+        "shape": shape,
+        "trained params": f"{params / 1e6:,.0f}M",
+        "completions/step": completions,
+        "rollout tokens/s": f"{generated / rollout_seconds:,.0f}",
+        "training tokens/s": f"{trained / train_seconds:,.0f}",
         "MFU": f"{100 * mfu:.1f}%" if device.type == "cuda" else "-",
         "peak memory (GB)": f"{max(scalars['perf/peak_memory_gb'].values()):.1f}",
-    }  # fmt: skip
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", choices=list(SHAPES), help="model shape; repeat for several (default: small)")
-    parser.add_argument("--script", action="append", choices=["grpo", "ppo"], help="script to time; repeat for both (default: both)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape", action="append", choices=list(SHAPES), help="model shape; repeat for several (default: small)"
+    )
+    parser.add_argument(
+        "--script", action="append", choices=["grpo", "ppo"], help="script to time; repeat for both (default: both)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="steps per run, the first of them a warm-up (at least 2)")
-    parser.add_argument("--prompts-per-step", type=int, default=None, help="GRPO prompts per step (default 8 on GPU, 4 on CPU)")
-    parser.add_argument("--group-size", type=int, default=None, help="GRPO completions per prompt (default 8 on GPU, 4 on CPU); PPO "
-                        "gets prompts-per-step * group-size prompts with one completion each")  # fmt: skip
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default 256 on GPU, 32 on CPU)")
+    parser.add_argument(
+        "--prompts-per-step", type=int, default=None, help="GRPO prompts per step (default 8 on GPU, 4 on CPU)"
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="GRPO completions per prompt (default 8 on GPU, 4 on CPU); PPO "
+        "gets prompts-per-step * group-size prompts with one completion each",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="completion length (default 256 on GPU, 32 on CPU)"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=8, help="completions per forward/backward pass")
     parser.add_argument("--update-epochs", type=int, default=1, help="PPO passes over each batch")
     parser.add_argument("--num-minibatches", type=int, default=2, help="PPO optimizer steps per pass")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200: 989)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) under torchrun; the batch is the whole step's, shared out")
-    parser.add_argument("--keep", default=None, help="keep the models and runs in this folder (default: a temporary one, deleted)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200: 989)"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes (GPUs) under torchrun; the batch is the whole step's, shared out",
+    )
+    parser.add_argument(
+        "--keep", default=None, help="keep the models and runs in this folder (default: a temporary one, deleted)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
@@ -175,8 +238,11 @@ def main():
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{args.nproc} x {torch.cuda.get_device_name() if on_gpu else 'CPU'}: {args.steps - 1} timed step(s) after 1 warm-up, "
-          f"prompts of {prompt_tokens} tokens, up to {args.max_new_tokens} new tokens\n")  # fmt: skip
+    print(
+        f"\n{args.nproc} x {torch.cuda.get_device_name() if on_gpu else 'CPU'}: "
+        f"{args.steps - 1} timed step(s) after 1 warm-up, "
+        f"prompts of {prompt_tokens} tokens, up to {args.max_new_tokens} new tokens\n"
+    )
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))
     for row in rows:

@@ -54,11 +54,20 @@ RUNS = {
     "ppo-outcome": ("ppo", "copy", ["--num-steps", "120"], "PPO"),
     "grpo-outcome": ("grpo", "copy", ["--num-steps", "200"], "GRPO"),
 }
-TASKS = {"dense": ("copy:4:dense", ["ppo-dense", "ppo-final", "grpo-dense"], 0.5),
-         "outcome": ("copy", ["ppo-outcome", "grpo-outcome"], 0.5)}  # task, runs, fixed score to reach
+TASKS = {
+    "dense": ("copy:4:dense", ["ppo-dense", "ppo-final", "grpo-dense"], 0.5),
+    "outcome": ("copy", ["ppo-outcome", "grpo-outcome"], 0.5),
+}  # task, runs, fixed score to reach
 DUMP_STEP = 200  # the step of grpo-dense seed 1 whose completion figure 2 shows: its last
-MEMORY_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=512)  # fmt: skip
+MEMORY_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
 MEMORY_FLAGS = ["--num-steps", "1", "--prompts-per-step", "8", "--max-new-tokens", "8", "--micro-batch-size", "8"]
 
 
@@ -67,7 +76,9 @@ def run_dir(runs_dir, name, seed):
 
 
 def finished(folder):
-    return any(os.path.isdir(os.path.join(folder, d, "final")) for d in (os.listdir(folder) if os.path.isdir(folder) else []))
+    return any(
+        os.path.isdir(os.path.join(folder, d, "final")) for d in (os.listdir(folder) if os.path.isdir(folder) else [])
+    )
 
 
 def train(runs_dir, name, seed, threads):
@@ -77,8 +88,20 @@ def train(runs_dir, name, seed, threads):
         return
     script, task, flags, _ = RUNS[name]
     dump = ["--dump-dir", os.path.join(out, "dump")] if (name, seed) == ("grpo-dense", 1) else []
-    cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--task", task, "--seed", str(seed), "--sample-every",
-           "0", "--output-dir", out, *flags, *dump]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, f"{script}.py"),
+        "--task",
+        task,
+        "--seed",
+        str(seed),
+        "--sample-every",
+        "0",
+        "--output-dir",
+        out,
+        *flags,
+        *dump,
+    ]
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with open(os.path.join(out, "log.txt"), "w") as log:
@@ -108,9 +131,13 @@ def summary(s, name, threshold):
     step = reached(score, threshold)
     seconds = [r + t for r, t in zip(s["perf/rollout_seconds"], s["perf/train_seconds"])]
     n_last = max(1, len(score) // 10)
-    return dict(completions=step * completions_per_step(name) if step else None,
-                seconds=seconds[step - 1] if step else None, final=sum(score[-n_last:]) / n_last,
-                total_seconds=seconds[-1], steps=len(score))  # fmt: skip
+    return dict(
+        completions=step * completions_per_step(name) if step else None,
+        seconds=seconds[step - 1] if step else None,
+        final=sum(score[-n_last:]) / n_last,
+        total_seconds=seconds[-1],
+        steps=len(score),
+    )
 
 
 def cell(values, fmt):
@@ -141,8 +168,21 @@ def measure_memory(runs_dir):
         out = os.path.join(folder, script)
         if os.path.isdir(out):
             continue
-        cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--model", model, "--task", "copy", "--sample-every",
-               "0", "--no-chat-template", "--output-dir", out, *MEMORY_FLAGS, *batch[script]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.join(REPO, f"{script}.py"),
+            "--model",
+            model,
+            "--task",
+            "copy",
+            "--sample-every",
+            "0",
+            "--no-chat-template",
+            "--output-dir",
+            out,
+            *MEMORY_FLAGS,
+            *batch[script],
+        ]
         os.makedirs(out)
         with open(os.path.join(out, "log.txt"), "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -156,8 +196,10 @@ def memory_rows(runs_dir):
         trained = params.get("policy", 0) + params.get("critic", 0)
         frozen = params.get("reference", 0)
         state_gb = (16 * trained + 4 * frozen) / 1e9  # float32 weights, gradients, two AdamW moments; frozen: weights
-        rows.append(f"| {script}.py | {held} | {(trained + frozen) / 1e6:.1f}M | {trained / 1e6:.1f}M | "
-                    f"{state_gb:.2f} GB | {s['perf/peak_memory_gb'][0] * 2**30 / 1e9:.2f} GB |")
+        rows.append(
+            f"| {script}.py | {held} | {(trained + frozen) / 1e6:.1f}M | {trained / 1e6:.1f}M | "
+            f"{state_gb:.2f} GB | {s['perf/peak_memory_gb'][0] * 2**30 / 1e9:.2f} GB |"
+        )
     return rows
 
 
@@ -167,8 +209,10 @@ def memory_rows(runs_dir):
 
 
 def smooth(values, window=10):
-    return [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-            for i in range(len(values))]  # fmt: skip
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def curves(plt, runs, tag, ylabel, filename, thresholds=None):
@@ -201,9 +245,8 @@ def credit_example(runs_dir):
     from safetensors.torch import load_file
 
     import common
-    from machinery import scoring
-    from machinery import models
     import ppo
+    from machinery import models, scoring
     from tasks import load_task
 
     d = load_file(os.path.join(run_dir(runs_dir, "grpo-dense", 1), "dump", f"step{DUMP_STEP:06d}.safetensors"))
@@ -229,16 +272,28 @@ def credit_example(runs_dir):
     has_eos = bool(torch.isin(d["completion_ids"][rows], torch.tensor(eos))[mask.bool()].any())
     result = {"GRPO: r - group mean, every token": None}
     for name, task in (("ppo-dense", "copy:4:dense"), ("ppo-final", "copy:4")):
-        (sub,) = [x for x in os.listdir(run_dir(runs_dir, name, 1)) if x != "dump" and os.path.isdir(
-            os.path.join(run_dir(runs_dir, name, 1), x))]
+        (sub,) = [
+            x
+            for x in os.listdir(run_dir(runs_dir, name, 1))
+            if x != "dump" and os.path.isdir(os.path.join(run_dir(runs_dir, name, 1), x))
+        ]
         critic = ppo.load_critic(os.path.join(run_dir(runs_dir, name, 1), sub, "critic"), torch.device("cpu"))
         with torch.no_grad():
             values = ppo.token_values(critic, ids, attention, mask)
-        token_rewards = scoring.score_tokens(load_task(task), tokenizer, prompts[rows], completions[rows],
-                                            [prompts[i].removesuffix("=")], d["completion_ids"][rows], mask)
+        token_rewards = scoring.score_tokens(
+            load_task(task),
+            tokenizer,
+            prompts[rows],
+            completions[rows],
+            [prompts[i].removesuffix("=")],
+            d["completion_ids"][rows],
+            mask,
+        )
         token_rewards -= scoring.score_at_last_token(torch.tensor([0.0 if has_eos else 0.3]), mask)
         advantages, _ = ppo.compute_gae(token_rewards, values, mask, 1.0, 0.95)
-        result[f"PPO GAE, {'dense reward' if name == 'ppo-dense' else 'final score only'}"] = advantages[0][mask[0].bool()]
+        result[f"PPO GAE, {'dense reward' if name == 'ppo-dense' else 'final score only'}"] = advantages[0][
+            mask[0].bool()
+        ]
     n = int(mask.sum())
     grpo_adv = (rewards[i] - rewards.view(-1, group)[i // group].mean()).item()
     result["GRPO: r - group mean, every token"] = torch.full((n,), grpo_adv)
@@ -253,8 +308,10 @@ def credit_figure(plt, example):
     width = 0.8 / len(result)
     for j, (label, values) in enumerate(result.items()):
         ax.bar([k + (j - 1) * width for k in range(len(tokens))], values.tolist(), width, label=label)
-    marks = [("right" if k < len(answer) and t == answer[k] else "wrong") if k < len(completion) else ""
-             for k, t in enumerate(tokens)]  # fmt: skip
+    marks = [
+        ("right" if k < len(answer) and t == answer[k] else "wrong") if k < len(completion) else ""
+        for k, t in enumerate(tokens)
+    ]
     ax.set_xticks(range(len(tokens)), [f"{t}\n{m}" for t, m in zip(tokens, marks)])
     ax.axhline(0, color="black", lw=0.8)
     ax.set_title(f"prompt {prompt!r}, completion {completion!r} (copy:4:dense, reward {reward:.2f})", fontsize=10)
@@ -274,18 +331,26 @@ def write_section(runs_dir, elapsed, loaded):
     lines = [BEGIN, "## The lesson, measured: PPO next to GRPO", ""]
     took = f", {elapsed / 60:.0f} minutes in all" if elapsed else ""
     lines += [
-        f"`python benchmarks/lesson.py` (CPU, the built-in tiny model, seeds {', '.join(map(str, SEEDS))}, by default two runs "
-        f"at a time (--jobs), one thread each{took}) makes this section: the table, and the figures in `docs/lesson/`.",
+        f"`python benchmarks/lesson.py` (CPU, the built-in tiny model, seeds {', '.join(map(str, SEEDS))}, "
+        f"by default two runs at a time (--jobs), one thread each{took}) makes this section: the table, "
+        "and the figures in `docs/lesson/`.",
         "Wall times are rollout + update seconds, start-up excluded"
-        + (", measured while other jobs shared the 2 cores: compare them with each other, not with a machine "
-           "of your own." if loaded else "."), "",
-        "### Fits best with: a dense task and an outcome task", "",
+        + (
+            ", measured while other jobs shared the 2 cores: compare them with each other, not with a machine "
+            "of your own."
+            if loaded
+            else "."
+        ),
+        "",
+        "### Fits best with: a dense task and an outcome task",
+        "",
         "`copy:4:dense`: each character is paid, on the token that writes it, what it changes of the copy score "
         "(R(y<=t) - R(y<t): 1 / 4 for a right one among the 4 digits, a negative amount for one past them). PPO "
-        "gets it there; PPO \"final score only\" runs task `copy:4`, the same total at the "
+        'gets it there; PPO "final score only" runs task `copy:4`, the same total at the '
         "last token; GRPO's outcome is the sum, so its runs on `copy:4:dense` and `copy:4` are the same. `copy`: the "
         "default task, one score per completion (its share of right characters), at the end. Cells: median over the "
-        "seeds (min-max); the fixed score is reached when the 10-step mean score first gets there.", "",
+        "seeds (min-max); the fixed score is reached when the 10-step mean score first gets there.",
+        "",
         "| task | run | completions sampled to reach the fixed score | wall time to reach it | final score "
         "(last 10% of steps) | steps x completions a step |",
         "|---|---|---|---|---|---|",
@@ -295,30 +360,45 @@ def write_section(runs_dir, elapsed, loaded):
             got = [summary(runs[name, seed], name, threshold) for seed in SEEDS if (name, seed) in runs]
             steps = RUNS[name][2][RUNS[name][2].index("--num-steps") + 1]
             done = [seed for seed in SEEDS if (name, seed) in runs]
-            label = RUNS[name][3] + (f" (seed{'s' * (len(done) > 1)} {', '.join(map(str, done))} only)" if len(done) < len(SEEDS) else "")
+            label = RUNS[name][3] + (
+                f" (seed{'s' * (len(done) > 1)} {', '.join(map(str, done))} only)" if len(done) < len(SEEDS) else ""
+            )
             lines.append(
-                f"| `{task}` (score {threshold}) | {label} | {cell([g['completions'] for g in got], lambda v: f'{v:,.0f}')} "
-                f"| {cell([g['seconds'] for g in got], lambda v: f'{v:.0f} s')} | {cell([g['final'] for g in got], lambda v: f'{v:.3f}')} "
-                f"| {steps} x {completions_per_step(name)} |")  # fmt: skip
+                f"| `{task}` (score {threshold}) | {label} "
+                f"| {cell([g['completions'] for g in got], lambda v: f'{v:,.0f}')} "
+                f"| {cell([g['seconds'] for g in got], lambda v: f'{v:.0f} s')} "
+                f"| {cell([g['final'] for g in got], lambda v: f'{v:.3f}')} "
+                f"| {steps} x {completions_per_step(name)} |"
+            )
     lines += ["", "![score against completions sampled](docs/lesson/fits.png)", ""]
 
     example = credit_example(runs_dir)
     prompt, completion, reward, tokens, result = example
-    lines += ["### Credit assignment: per token (PPO) and per completion (GRPO)", "",
-              f"One completion from GRPO's seed-1 run on `copy:4:dense` at step {DUMP_STEP}: prompt `{prompt}`, completion "
-              f"`{completion}`, reward {reward:.2f}. GRPO gives every token the same advantage, the reward minus its "
-              "group's mean (before the division by the std); PPO's GAE, from each PPO run's critic at the end of its "
-              "training (gamma 1, lambda 0.95, before whitening, KL penalty left out), gives each token its own:", ""]
+    lines += [
+        "### Credit assignment: per token (PPO) and per completion (GRPO)",
+        "",
+        f"One completion from GRPO's seed-1 run on `copy:4:dense` at step {DUMP_STEP}: prompt `{prompt}`, completion "
+        f"`{completion}`, reward {reward:.2f}. GRPO gives every token the same advantage, the reward minus its "
+        "group's mean (before the division by the std); PPO's GAE, from each PPO run's critic at the end of its "
+        "training (gamma 1, lambda 0.95, before whitening, KL penalty left out), gives each token its own:",
+        "",
+    ]
     lines += ["| token | " + " | ".join(f"`{t}`" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
     for label, values in result.items():
         lines.append(f"| {label} | " + " | ".join(f"{v:+.3f}" for v in values.tolist()) + " |")
     lines += ["", "![per-token advantages of one completion](docs/lesson/credit.png)", ""]
 
-    lines += ["### Baseline: a learned critic against the group mean", "",
-              "`losses/explained_variance`: 1 - Var(target - baseline) / Var(target). PPO: returns against the "
-              "critic's values, over real tokens; GRPO: rewards against their group's mean (the completion itself "
-              "included, as GRPO computes it), over completions. Mean over the last 10% of steps, median of the "
-              "seeds (min-max):", "", "| task | run | explained variance, last 10% of steps |", "|---|---|---|"]
+    lines += [
+        "### Baseline: a learned critic against the group mean",
+        "",
+        "`losses/explained_variance`: 1 - Var(target - baseline) / Var(target). PPO: returns against the "
+        "critic's values, over real tokens; GRPO: rewards against their group's mean (the completion itself "
+        "included, as GRPO computes it), over completions. Mean over the last 10% of steps, median of the "
+        "seeds (min-max):",
+        "",
+        "| task | run | explained variance, last 10% of steps |",
+        "|---|---|---|",
+    ]
     for key, (task, names, _) in TASKS.items():
         for name in names:
             ev = []
@@ -329,14 +409,21 @@ def write_section(runs_dir, elapsed, loaded):
             lines.append(f"| `{task}` | {RUNS[name][3]} | {cell(ev, lambda v: f'{v:.2f}')} |")
     lines += ["", "![explained variance over training](docs/lesson/baseline.png)", ""]
 
-    lines += ["### Models in memory", "",
-              "Each script for one step of 8 completions (8 new tokens, one micro-batch) on the same random-init "
-              "Qwen2 of 25M parameters (hidden 512, 8 layers, byte-level tokenizer, hub defaults), each in a process "
-              "of its own. Weights + AdamW: 16 bytes per trained parameter (float32 weights, gradients, two "
-              "moments) and 4 per frozen one, computed; the peak resident memory (`perf/peak_memory_gb`) adds "
-              "Python, torch and activations, measured.", "",
-              "| script | models held | parameters held | trained | weights + AdamW, computed | peak RSS, measured |",
-              "|---|---|---|---|---|---|", *memory_rows(runs_dir), "", END]
+    lines += [
+        "### Models in memory",
+        "",
+        "Each script for one step of 8 completions (8 new tokens, one micro-batch) on the same random-init "
+        "Qwen2 of 25M parameters (hidden 512, 8 layers, byte-level tokenizer, hub defaults), each in a process "
+        "of its own. Weights + AdamW: 16 bytes per trained parameter (float32 weights, gradients, two "
+        "moments) and 4 per frozen one, computed; the peak resident memory (`perf/peak_memory_gb`) adds "
+        "Python, torch and activations, measured.",
+        "",
+        "| script | models held | parameters held | trained | weights + AdamW, computed | peak RSS, measured |",
+        "|---|---|---|---|---|---|",
+        *memory_rows(runs_dir),
+        "",
+        END,
+    ]
 
     try:
         import matplotlib
@@ -344,8 +431,10 @@ def write_section(runs_dir, elapsed, loaded):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is missing (pip install -r requirements/extra.txt): the figures in docs/lesson/ were NOT "
-              "drawn; the README section links to whatever is there.")  # fmt: skip
+        print(
+            "matplotlib is missing (pip install -r requirements/extra.txt): the figures in docs/lesson/ were NOT "
+            "drawn; the README section links to whatever is there."
+        )
     else:
         os.makedirs(DOCS, exist_ok=True)
         curves(plt, runs, "charts/score", "score (10-step mean)", "fits.png", thresholds=True)

@@ -41,7 +41,11 @@ with common.autocast(device, dtype):
     logp = common.token_logprobs(model, input_ids, attention_mask, completion_mask, 0.7)
 logp.sum().backward()
 seconds = time.perf_counter() - start
-peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+peak = (
+    torch.cuda.max_memory_allocated() / 2**30
+    if device.type == "cuda"
+    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+)
 print(json.dumps(dict(device=device.type, peak_gb=peak, before_pass_gb=base, seconds=seconds)))
 """
 
@@ -54,14 +58,17 @@ def main():
     parser.add_argument("--prompt", type=int, default=72)
     parser.add_argument("--completion", type=int, default=512)
     a = parser.parse_args()
-    code = CHILD.format(repo=os.path.abspath(a.repo), here=HERE, shape=a.shape, batch=a.batch, prompt=a.prompt, completion=a.completion)
+    code = CHILD.format(
+        repo=os.path.abspath(a.repo), here=HERE, shape=a.shape, batch=a.batch, prompt=a.prompt, completion=a.completion
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr.strip().splitlines()[-1])
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(
         f"{a.shape}, batch {a.batch} x ({a.prompt} prompt + {a.completion} completion) tokens, {result['device']}: "
-        f"peak {result['peak_gb']:.2f} GB ({result['before_pass_gb']:.2f} GB before the pass), {result['seconds']:.1f} s"
+        f"peak {result['peak_gb']:.2f} GB ({result['before_pass_gb']:.2f} GB before the pass), "
+        f"{result['seconds']:.1f} s"
     )
 
 

@@ -40,12 +40,12 @@ def set_active(model, name):
 def build(design, model_name, rank):
     import torch
 
-    from machinery import lora
-    from machinery import models
     import ppo
+    from machinery import lora, models
 
-    args = types.SimpleNamespace(model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0,
-                                 lora_target_modules=("all-linear",))  # fmt: skip
+    args = types.SimpleNamespace(
+        model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0, lora_target_modules=("all-linear",)
+    )
     policy = lora.wrap(models.load_causal_lm(model_name, models.CPU), args)
     if design == "own":
         critic = ppo.load_critic(model_name, models.CPU)
@@ -86,16 +86,27 @@ def measure(design, model_name, rank, batch, tokens):
     loss.backward()
     grads = lambda names: {n: p.grad.clone() for n, p in names if p.grad is not None}  # noqa: E731
     policy_grads = grads((n, p) for n, p in policy.named_parameters() if "lora_" in n and ".critic." not in n)
-    critic_grads = grads((n, p) for n, p in critic.named_parameters() if (".critic." in n or "value_head" in n
-                                                                            or (design == "own" and "lora_" in n)))
+    critic_grads = grads(
+        (n, p)
+        for n, p in critic.named_parameters()
+        if (".critic." in n or "value_head" in n or (design == "own" and "lora_" in n))
+    )
     everything = {id(p): p for m in (policy, critic.backbone, critic.value_head) for p in m.parameters()}.values()
     frozen = sum(p.numel() * p.element_size() for p in everything if not p.requires_grad)
     trained = sum(p.numel() * p.element_size() for p in everything if p.requires_grad)
     norm = lambda g: float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())))  # noqa: E731
-    return dict(design=design, frozen_bytes=frozen, trained_bytes=trained, peak_rss_gb=resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss / 2**20, values_sum=float(values.sum()), logp_sum=float(logp.sum()),
-        policy_grad_norm=norm(policy_grads), critic_grad_norm=norm(critic_grads), policy_grad_tensors=len(policy_grads),
-        critic_grad_tensors=len(critic_grads))  # fmt: skip
+    return dict(
+        design=design,
+        frozen_bytes=frozen,
+        trained_bytes=trained,
+        peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        values_sum=float(values.sum()),
+        logp_sum=float(logp.sum()),
+        policy_grad_norm=norm(policy_grads),
+        critic_grad_norm=norm(critic_grads),
+        policy_grad_tensors=len(policy_grads),
+        critic_grad_tensors=len(critic_grads),
+    )
 
 
 def main():
@@ -111,15 +122,30 @@ def main():
         return
     results = []
     for design in ("own", "shared"):
-        command = [sys.executable, __file__, "--design", design, "--model", args.model, "--rank", str(args.rank),
-                   "--batch", str(args.batch), "--tokens", str(args.tokens)]  # fmt: skip
+        command = [
+            sys.executable,
+            __file__,
+            "--design",
+            design,
+            "--model",
+            args.model,
+            "--rank",
+            str(args.rank),
+            "--batch",
+            str(args.batch),
+            "--tokens",
+            str(args.tokens),
+        ]
         out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
     for r in results:
-        print(f"{r['design']:6}  frozen {r['frozen_bytes'] / 2**30:.3f} GiB  trained {r['trained_bytes'] / 2**20:.1f} MiB  "
-              f"peak RSS {r['peak_rss_gb']:.2f} GB  values {r['values_sum']:.6f}  log-probs {r['logp_sum']:.4f}  "
-              f"grad norms policy {r['policy_grad_norm']:.6e} ({r['policy_grad_tensors']})  "
-              f"critic {r['critic_grad_norm']:.6e} ({r['critic_grad_tensors']})")  # fmt: skip
+        print(
+            f"{r['design']:6}  frozen {r['frozen_bytes'] / 2**30:.3f} GiB  "
+            f"trained {r['trained_bytes'] / 2**20:.1f} MiB  "
+            f"peak RSS {r['peak_rss_gb']:.2f} GB  values {r['values_sum']:.6f}  log-probs {r['logp_sum']:.4f}  "
+            f"grad norms policy {r['policy_grad_norm']:.6e} ({r['policy_grad_tensors']})  "
+            f"critic {r['critic_grad_norm']:.6e} ({r['critic_grad_tensors']})"
+        )
 
 
 if __name__ == "__main__":

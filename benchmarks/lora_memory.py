@@ -22,12 +22,12 @@ def measure(model_name, rank, batch, tokens, new_tokens):
     import torch
 
     import common
-    from machinery import lora
-    from machinery import models
+    from machinery import lora, models
 
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731
-    args = types.SimpleNamespace(model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0,
-                                 lora_target_modules=("all-linear",))  # fmt: skip
+    args = types.SimpleNamespace(
+        model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0, lora_target_modules=("all-linear",)
+    )
     model = lora.wrap(models.load_causal_lm(model_name, models.CPU), args)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
@@ -44,8 +44,10 @@ def measure(model_name, rank, batch, tokens, new_tokens):
         logp = common.token_logprobs(model, input_ids, torch.ones_like(input_ids), mask, 0.7)
     forward = rss()
     logp.sum().backward()
-    print(f"rank {rank:3}: saved for the backward {sum(saved.values()) / 2**30:.3f} GiB, peak RSS after the forward "
-          f"{forward:.2f} GB, after the backward {rss():.2f} GB")  # fmt: skip
+    print(
+        f"rank {rank:3}: saved for the backward {sum(saved.values()) / 2**30:.3f} GiB, peak RSS after the forward "
+        f"{forward:.2f} GB, after the backward {rss():.2f} GB"
+    )
 
 
 def main():
@@ -59,8 +61,23 @@ def main():
     if args.rank and len(args.rank) == 1:
         return measure(args.model, args.rank[0], args.batch, args.tokens, args.new_tokens)
     for rank in args.rank or [0, 16]:  # each in its own process, so each peak is its own
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--rank", str(rank), "--batch", str(args.batch),
-                        "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--model",
+                args.model,
+                "--rank",
+                str(rank),
+                "--batch",
+                str(args.batch),
+                "--tokens",
+                str(args.tokens),
+                "--new-tokens",
+                str(args.new_tokens),
+            ],
+            check=True,
+        )
 
 
 if __name__ == "__main__":

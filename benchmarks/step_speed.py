@@ -71,9 +71,8 @@ class Phases:
 def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, phase):
     """grpo.py's step (num_iterations 1): the same calls on the same batch layout, timed by `phase`."""
     import common
-    from machinery import scoring
     import grpo
-    from machinery import models
+    from machinery import models, scoring
 
     eos_ids = models.eos_token_ids(policy, tokenizer)
     prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
@@ -81,29 +80,46 @@ def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, ph
     with phase("rollout"):
         with common.autocast(CPU, dtype):
             prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
-                policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids)
+                policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
+            )
         completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
-        rewards = scoring.score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask).sum(1)
+        rewards = scoring.score_tokens(
+            task, tokenizer, prompts, completions, answers, completion_ids, completion_mask
+        ).sum(1)
         advantages = grpo.group_advantages(rewards, args.group_size, args.scale_rewards)
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(prompts), args.micro_batch_size)]
     with phase("reference"), torch.no_grad(), common.autocast(CPU, dtype):
-        ref_logp = torch.cat([common.token_logprobs(ref, input_ids[m], attention_mask[m], completion_mask[m],
-                                                    args.temperature) for m in micro])  # fmt: skip
+        ref_logp = torch.cat(
+            [
+                common.token_logprobs(ref, input_ids[m], attention_mask[m], completion_mask[m], args.temperature)
+                for m in micro
+            ]
+        )
     with phase("update"):
         num_tokens = int(completion_mask.sum())
         for m in micro:
             with common.autocast(CPU, dtype):
-                new_logp, _ = common.token_logprobs(policy, input_ids[m], attention_mask[m], completion_mask[m],
-                                                    args.temperature, return_entropy=True)  # fmt: skip
-            loss, _ = grpo.grpo_loss(new_logp, new_logp.detach(), ref_logp[m], advantages[m], completion_mask[m],
-                                     len(prompts), num_tokens, args)  # fmt: skip
+                new_logp, _ = common.token_logprobs(
+                    policy, input_ids[m], attention_mask[m], completion_mask[m], args.temperature, return_entropy=True
+                )
+            loss, _ = grpo.grpo_loss(
+                new_logp,
+                new_logp.detach(),
+                ref_logp[m],
+                advantages[m],
+                completion_mask[m],
+                len(prompts),
+                num_tokens,
+                args,
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return dict(prompt_tokens=prompt_ids.shape[1], completion_tokens=completion_ids.shape[1],
-                score=rewards.mean().item())  # fmt: skip
+    return dict(
+        prompt_tokens=prompt_ids.shape[1], completion_tokens=completion_ids.shape[1], score=rewards.mean().item()
+    )
 
 
 VARIANTS = {  # name: (dtype, each group's prompt computed once, system prompt)
@@ -122,8 +138,7 @@ def phase_table(model_dir, task_name, settings, repeats, seed=1, variants=tuple(
     """Each variant's step: counted once, then timed `repeats` times, the variants interleaved."""
     import common
     import grpo
-    from machinery import models
-    from machinery import prompt_cache
+    from machinery import models, prompt_cache
     from tasks import load_task
 
     args = grpo.Args(model=model_dir, task=task_name, scale_rewards="group", bias_corrected_kl=False, **settings)
@@ -154,11 +169,16 @@ def phase_table(model_dir, task_name, settings, repeats, seed=1, variants=tuple(
 
 def median(values):
     values = sorted(values)
-    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return (
+        values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    )
 
 
 def print_phase_table(results, peaks):
-    print("\n| variant | prompt + new tokens | phase | matmul GFLOP | s (wall) | s (CPU) | GFLOP/s (CPU) | share of peak |")
+    print(
+        "\n| variant | prompt + new tokens | phase | matmul GFLOP | s (wall) | s (CPU) | GFLOP/s (CPU) "
+        "| share of peak |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         dtype = VARIANTS[name][0]
@@ -171,37 +191,59 @@ def print_phase_table(results, peaks):
             total["cpu"] += cpu
             total["flops"] += flops
             rate = flops / cpu / 1e9
-            print(f"| {name} | {r['prompt_tokens']} + {r['completion_tokens']} | {phase} | {flops / 1e9:.0f} | {wall:.1f} "
-                  f"| {cpu:.1f} | {rate:.1f} | {100 * rate / peaks[dtype]:.0f}% |")
+            print(
+                f"| {name} | {r['prompt_tokens']} + {r['completion_tokens']} | {phase} | {flops / 1e9:.0f} "
+                f"| {wall:.1f} | {cpu:.1f} | {rate:.1f} | {100 * rate / peaks[dtype]:.0f}% |"
+            )
         rate = total["flops"] / total["cpu"] / 1e9
-        print(f"| {name} | | **step** | {total['flops'] / 1e9:.0f} | {total['wall']:.1f} | {total['cpu']:.1f} "
-              f"| {rate:.1f} | {100 * rate / peaks[dtype]:.0f}% |")
+        print(
+            f"| {name} | | **step** | {total['flops'] / 1e9:.0f} | {total['wall']:.1f} | {total['cpu']:.1f} "
+            f"| {rate:.1f} | {100 * rate / peaks[dtype]:.0f}% |"
+        )
         r["step_wall"], r["step_cpu"] = total["wall"], total["cpu"]
     base = results["float32"]
-    print("\nstep time against float32 (wall, CPU): " + ", ".join(
-        f"{name} {r['step_wall'] / base['step_wall']:.2f}x, {r['step_cpu'] / base['step_cpu']:.2f}x" for name, r in results.items()))
+    print(
+        "\nstep time against float32 (wall, CPU): "
+        + ", ".join(
+            f"{name} {r['step_wall'] / base['step_wall']:.2f}x, {r['step_cpu'] / base['step_cpu']:.2f}x"
+            for name, r in results.items()
+        )
+    )
     per_row, shared = results["bfloat16, per row"], results["bfloat16"]
-    print(f"each group's prompt once against every row's (bfloat16): wall {shared['step_wall'] / per_row['step_wall']:.2f}x, "
-          f"CPU {shared['step_cpu'] / per_row['step_cpu']:.2f}x")
+    print(
+        "each group's prompt once against every row's (bfloat16): "
+        f"wall {shared['step_wall'] / per_row['step_wall']:.2f}x, "
+        f"CPU {shared['step_cpu'] / per_row['step_cpu']:.2f}x"
+    )
 
 
 def against_trl(model_dir, steps, work, seed=1):
     """grpo.py and TRL's GRPOTrainer at the same settings, float32 and then grpo.py's default dtype (TRL bf16=True
     where that is bfloat16): s/step after step 1."""
-    from machinery import precision
     import real_model
+
+    from machinery import precision
 
     default, _ = precision.choose_dtype("auto", "cpu", precision.native_bf16(CPU), model_dir)
     rows = []
     for dtype in ("float32", "auto"):
-        _, scalars, _, _ = real_model.run_ours("grpo", model_dir, seed, steps, os.path.join(work, f"ours-{dtype}"), dtype)
+        _, scalars, _, _ = real_model.run_ours(
+            "grpo", model_dir, seed, steps, os.path.join(work, f"ours-{dtype}"), dtype
+        )
         ours = real_model.summarise_ours(scalars)
         bf16 = dtype == "auto" and default == torch.bfloat16
         _, trl, _ = real_model.run_trl(model_dir, seed, steps, os.path.join(work, f"trl-{dtype}"), bf16=bf16)
         name = f"{dtype} ({str(default).removeprefix('torch.')} here)" if dtype == "auto" else dtype
         rows.append((name, bf16, ours["s_per_step"], trl["s_per_step"]))
-        print(f"  {name}: grpo.py {ours['s_per_step']:.1f} s/step, TRL {trl['s_per_step']:.1f}", file=sys.stderr, flush=True)
-    print("\n| grpo.py --dtype | TRL bf16 | grpo.py s/step | TRL GRPOTrainer s/step | grpo.py / TRL |\n|---|---|---|---|---|")
+        print(
+            f"  {name}: grpo.py {ours['s_per_step']:.1f} s/step, TRL {trl['s_per_step']:.1f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        "\n| grpo.py --dtype | TRL bf16 | grpo.py s/step | TRL GRPOTrainer s/step | grpo.py / TRL |\n"
+        "|---|---|---|---|---|"
+    )
     for name, bf16, ours, trl in rows:
         print(f"| {name} | {bf16} | {ours:.1f} | {trl:.1f} | {ours / trl:.2f} |")
     print(f"grpo.py's default dtype against float32: {rows[1][2] / rows[0][2]:.2f}x (steps 2-{steps} of each run)")
@@ -212,7 +254,7 @@ def main(model_dir, task_name, settings, work, repeats=2, steps=4, quick=False):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     peaks = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
-    print(f"matmul peak of one thread: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()), flush=True)
+    print("matmul peak of one thread: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()), flush=True)
     variants = QUICK if quick else tuple(VARIANTS)
     print_phase_table(phase_table(model_dir, task_name, settings, repeats, variants=variants), peaks)
     against_trl(model_dir, steps, work)

@@ -23,10 +23,9 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from machinery import checkpoints
-from machinery import distributed as dist
-from machinery import lora
 from common import approx_kl, clip_fraction, masked_mean
+from machinery import checkpoints, lora
+from machinery import distributed as dist
 from machinery.errors import Interrupted, UsageError
 from machinery.models import TINY_MODEL
 
@@ -80,7 +79,10 @@ def parse_args(args_class, hub_defaults):
     import tyro
 
     hub = ", ".join(f"{flag(key)} {value}" for key, value in hub_defaults.items())
-    description = f"{inspect.cleandoc(args_class.__doc__)}\n\nOn a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
+    description = (
+        f"{inspect.cleandoc(args_class.__doc__)}\n\n"
+        f"On a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
+    )
     args = tyro.cli(args_class, description=description)
     flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
     return args, {key for key in hub_defaults if flag(key) in flags}
@@ -97,8 +99,11 @@ def check_positive(args, *names):
 
 
 RANGES = {  # what check_range accepts; NaN fails every one of them
-    "> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0, "in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1,
-}  # fmt: skip
+    "> 0": lambda x: x > 0,
+    ">= 0": lambda x: x >= 0,
+    "in [0, 1]": lambda x: 0 <= x <= 1,
+    "in (0, 1)": lambda x: 0 < x < 1,
+}
 
 
 def check_range(args, rule, *names):
@@ -110,15 +115,30 @@ def check_range(args, rule, *names):
 
 MAX_FLOAT, MIN_FLOAT, MAX_INT = 1e6, 1e-30, 2**31 - 1
 FLOORS = {  # flags that leave the weights as they are, or the log-probs meaningless, outside a range of their own
-    "temperature": (1e-2, 1e2, "use a value in [0.01, 100]: the logits are divided by it, so a smaller one overflows "
-                               "them and a larger one flattens every distribution (its gradient vanishes)"),
-    "learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a step, and "
-                                  "a float32 weight of size w does not move by less than 6e-8 * w"),
-    "critic_learning_rate": (1e-8, None, "it must be at least 1e-8: AdamW moves each weight by about that much a "
-                                         "step, and a float32 weight of size w does not move by less than 6e-8 * w"),
-    "max_grad_norm": (1e-6, None, "it must be at least 1e-6: a gradient clipped smaller is lost under AdamW's "
-                                  "eps (1e-8), and no weight moves"),
-}  # fmt: skip
+    "temperature": (
+        1e-2,
+        1e2,
+        "use a value in [0.01, 100]: the logits are divided by it, so a smaller one overflows "
+        "them and a larger one flattens every distribution (its gradient vanishes)",
+    ),
+    "learning_rate": (
+        1e-8,
+        None,
+        "it must be at least 1e-8: AdamW moves each weight by about that much a step, and "
+        "a float32 weight of size w does not move by less than 6e-8 * w",
+    ),
+    "critic_learning_rate": (
+        1e-8,
+        None,
+        "it must be at least 1e-8: AdamW moves each weight by about that much a "
+        "step, and a float32 weight of size w does not move by less than 6e-8 * w",
+    ),
+    "max_grad_norm": (
+        1e-6,
+        None,
+        "it must be at least 1e-6: a gradient clipped smaller is lost under AdamW's eps (1e-8), and no weight moves",
+    ),
+}
 
 
 def check_magnitude(name, value):
@@ -132,8 +152,10 @@ def check_magnitude(name, value):
     if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"{flag(name)} is {value}: it must be a finite number")
     if isinstance(value, float) and abs(value) > MAX_FLOAT:
-        raise UsageError(f"{flag(name)} is {value:g}: it must be at most 1e6 in size (past that, products in the "
-                         "loss and its gradient overflow float32, or one term drowns all the others)")
+        raise UsageError(
+            f"{flag(name)} is {value:g}: it must be at most 1e6 in size (past that, products in the "
+            "loss and its gradient overflow float32, or one term drowns all the others)"
+        )
     if isinstance(value, float) and 0 < abs(value) < MIN_FLOAT and name not in FLOORS:  # those: their own floor
         raise UsageError(f"{flag(name)} is {value:g}: float32 reads it as 0; pass 0, or a value of at least 1e-30")
 
@@ -147,8 +169,14 @@ def check_run_args(args):
         check_magnitude(field.name, getattr(args, field.name))
     if not 0 <= args.seed <= 2**32 - dist.world_size():  # numpy's seed range, for seed + rank on every process
         n = dist.world_size()
-        raise UsageError(f"--seed is {args.seed}: it must be in " + ("[0, 2**32)" if n == 1 else
-                         f"[0, {2**32 - n}] (each of the {n} processes seeds with --seed + its rank, below 2**32)"))
+        raise UsageError(
+            f"--seed is {args.seed}: it must be in "
+            + (
+                "[0, 2**32)"
+                if n == 1
+                else f"[0, {2**32 - n}] (each of the {n} processes seeds with --seed + its rank, below 2**32)"
+            )
+        )
     if args.temperature <= 0:
         raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
     for name, (low, high, why) in FLOORS.items():
@@ -201,8 +229,10 @@ def run_main(main):
         print(f"{signal.Signals(e.signum).name} before the first step: nothing was saved", file=sys.stderr)
         sys.exit(128 + e.signum)
     except torch.OutOfMemoryError:
-        sys.exit("error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
-                 "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded")
+        sys.exit(
+            "error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
+            "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded"
+        )
 
 
 def seed_everything(seed, deterministic=False):
@@ -238,8 +268,10 @@ def _make_run_dir(args):
     if args.resume:
         folder = os.path.dirname(os.path.abspath(args.resume))
         if args.output_dir != RunArgs.output_dir and os.path.abspath(args.output_dir) != os.path.dirname(folder):
-            raise UsageError(f"--resume continues in the checkpoint's run folder {folder}, not under --output-dir "
-                             f"{args.output_dir}: drop --output-dir (or copy the run folder there first)")
+            raise UsageError(
+                f"--resume continues in the checkpoint's run folder {folder}, not under --output-dir "
+                f"{args.output_dir}: drop --output-dir (or copy the run folder there first)"
+            )
         return folder
     output_dir = os.path.abspath(args.output_dir)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -254,7 +286,9 @@ def _make_run_dir(args):
         except FileExistsError:
             continue
         except OSError as e:
-            raise UsageError(f"cannot create the run folder {folder} ({e.strerror}): pick another --output-dir") from None
+            raise UsageError(
+                f"cannot create the run folder {folder} ({e.strerror}): pick another --output-dir"
+            ) from None
         MADE_FOLDERS.append(folder)
         checkpoints.lock_run_folder(folder)  # held while the run lives: a --resume of it meanwhile is refused
         return folder
@@ -348,11 +382,15 @@ def logged_losses(updates, args):
 
 
 def token_means(terms, args):
-    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's critic."""
+    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's
+    critic."""
     mask, logratio = terms["mask"], terms["logratio"]
-    means = dict(policy_loss=masked_mean(terms["pg_loss"], mask), approx_kl=approx_kl(logratio, mask),
-                 clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
-                 entropy=masked_mean(terms["entropy"], mask))
+    means = dict(
+        policy_loss=masked_mean(terms["pg_loss"], mask),
+        approx_kl=approx_kl(logratio, mask),
+        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
+        entropy=masked_mean(terms["entropy"], mask),
+    )
     if "kl_ref" in terms:
         means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
     if "v_loss" in terms:
@@ -363,9 +401,12 @@ def token_means(terms, args):
 
 def perf_scalars(timer, total_tokens, device):
     seconds = timer.seconds
-    return {"perf/rollout_seconds": seconds.get("rollout", 0.0), "perf/train_seconds": seconds.get("train", 0.0),
-            "perf/tokens_per_second": total_tokens / max(sum(seconds.values()), 1e-9),
-            "perf/peak_memory_gb": peak_memory_gb(device)}
+    return {
+        "perf/rollout_seconds": seconds.get("rollout", 0.0),
+        "perf/train_seconds": seconds.get("train", 0.0),
+        "perf/tokens_per_second": total_tokens / max(sum(seconds.values()), 1e-9),
+        "perf/peak_memory_gb": peak_memory_gb(device),
+    }
 
 
 def print_summary(script, history, seconds, device, final_dir):

@@ -23,9 +23,17 @@ from safetensors import SafetensorError
 from machinery import distributed as dist
 from machinery.errors import Interrupted, UsageError
 
-
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
-RESUMABLE_CHANGES = {"num_steps", "resume", "save_every", "sample_every", "eval_every", "dump_dir", "output_dir", "lora_merged"}
+RESUMABLE_CHANGES = {
+    "num_steps",
+    "resume",
+    "save_every",
+    "sample_every",
+    "eval_every",
+    "dump_dir",
+    "output_dir",
+    "lora_merged",
+}
 # Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
 # 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).
 CHECKPOINT_VERSION = 2
@@ -52,7 +60,9 @@ def write_failed(what, folder, error):
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
     fix = "free some disk space" if any(word in reason.lower() for word in ("space", "full", "quota")) else "fix that"
     if os.path.isfile(os.path.join(folder, "state.pt")):
-        return UsageError(f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it")
+        return UsageError(
+            f"could not write {what} ({reason}); the last good checkpoint is {folder}: {fix}, then resume from it"
+        )
     return UsageError(f"could not write {what} ({reason}); no checkpoint was saved before: {fix} and start again")
 
 
@@ -62,9 +72,13 @@ def check_weights_finite(models, folder):
         shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # torchrun: this one's
         if dist.any(not all(torch.isfinite(p).all() for p in shards)):
             checkpoint = os.path.join(os.path.dirname(folder), "checkpoint")
-            last = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved"
-            raise UsageError(f"the {name}'s weights are not finite after the last update, so {folder} was not "
-                             f"written ({last}): lower --learning-rate")
+            last = (
+                f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved"
+            )
+            raise UsageError(
+                f"the {name}'s weights are not finite after the last update, so {folder} was not "
+                f"written ({last}): lower --learning-rate"
+            )
 
 
 def save_model(model, tokenizer, folder, step=None):
@@ -83,7 +97,9 @@ def save_model(model, tokenizer, folder, step=None):
                     json.dump({"step": step}, f)
         except WRITE_ERRORS as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise write_failed(f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e) from None
+            raise write_failed(
+                f"the model to {folder}", os.path.join(os.path.dirname(folder), "checkpoint"), e
+            ) from None
         _swap_into_place(tmp, folder)
     dist.barrier()  # no process goes on (or exits) before the folder is whole
 
@@ -125,9 +141,11 @@ def data_fingerprint(examples):
 
 def rng_state():
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }  # fmt: skip
+    }
 
 
 def set_rng_state(state):
@@ -148,8 +166,15 @@ def save_checkpoint(folder, script, args, models, tokenizer, step, optimizer, sc
     check_weights_finite(models, folder)
     tmp = f"{folder}.tmp"
     weights = {name: dist.full_state_dict(model) for name, model in models.items()}  # None on one process
-    state.update(script=script, args=vars(args), rng=rng_state(), step=step, optimizer=dist.full_optimizer_state(optimizer),
-                 scheduler=scheduler.state_dict(), sampler=sampler.state_dict())  # fmt: skip
+    state.update(
+        script=script,
+        args=vars(args),
+        rng=rng_state(),
+        step=step,
+        optimizer=dist.full_optimizer_state(optimizer),
+        scheduler=scheduler.state_dict(),
+        sampler=sampler.state_dict(),
+    )
     if dist.world_size() > 1:
         state.update(world_size=dist.world_size(), rank_rng=dist.all_gather(state["rng"]))
     if dist.is_main():
@@ -214,8 +239,11 @@ def find_checkpoint(folder):
         except UsageError:
             continue
         os.rename(candidate, folder)
-        print(f"note: {folder} was missing (a save was stopped between its renames); resuming from {what}, "
-              f"step {state.get('step')}, moved back from {candidate}", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: {folder} was missing (a save was stopped between its renames); resuming from {what}, "
+            f"step {state.get('step')}, moved back from {candidate}",
+            file=sys.stderr,
+        )
         return folder, state
     return folder, None
 
@@ -226,8 +254,14 @@ def load_checkpoint(folder, script, args, task=None):
     lock_run_folder(os.path.dirname(os.path.abspath(folder)))
     folder, state = find_checkpoint(os.path.normpath(folder))
     if state is None:
-        hint = f", such as {os.path.join(folder, 'checkpoint')}" if os.path.isdir(os.path.join(folder, "checkpoint")) else ""
-        raise UsageError(f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder{hint}")
+        hint = (
+            f", such as {os.path.join(folder, 'checkpoint')}"
+            if os.path.isdir(os.path.join(folder, "checkpoint"))
+            else ""
+        )
+        raise UsageError(
+            f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder{hint}"
+        )
     if not isinstance(state, dict) or state.get("script") not in ("grpo", "ppo"):
         raise UsageError(
             f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py or ppo.py: pass a run's checkpoint folder"
@@ -237,19 +271,22 @@ def load_checkpoint(folder, script, args, task=None):
             f"--resume {folder!r} is a checkpoint of {state['script']}.py, not {script}.py: resume it with that script"
         )
     if state.get("world_size", 1) != dist.world_size():
-        raise UsageError(f"--resume {folder!r} was written by {state.get('world_size', 1)} process(es), not "
-                         f"{dist.world_size()}: resume it with as many (each one's random state is in it)")
+        raise UsageError(
+            f"--resume {folder!r} was written by {state.get('world_size', 1)} process(es), not "
+            f"{dist.world_size()}: resume it with as many (each one's random state is in it)"
+        )
     version = state.get("version") if isinstance(state.get("version"), int) else 1  # version 1 had no number
     if version != CHECKPOINT_VERSION:
         raise UsageError(
-            f"--resume {folder!r} was written by {'an older' if version < CHECKPOINT_VERSION else 'a newer'} version of "
-            f"{script}.py (checkpoint format {version}, this one reads {CHECKPOINT_VERSION}): it cannot be resumed by "
-            "this one; start a new run, or resume with the version that wrote it"
+            f"--resume {folder!r} was written by {'an older' if version < CHECKPOINT_VERSION else 'a newer'} "
+            f"version of {script}.py (checkpoint format {version}, this one reads {CHECKPOINT_VERSION}): "
+            "it cannot be resumed by this one; start a new run, or resume with the version that wrote it"
         )
     missing = [key for key in state.get("keys", ["keys"]) if key not in state]
     if missing:
         raise UsageError(
-            f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; restore it or start a new run"
+            f"--resume {folder!r}: state.pt has no {missing[0]!r}: the checkpoint is damaged; "
+            "restore it or start a new run"
         )
     check_files(folder, state)
     check_later_results(folder, state["step"], args.num_steps)
@@ -260,16 +297,20 @@ def load_checkpoint(folder, script, args, task=None):
             continue
         flag = f"--{key.replace('_', '-')}"
         if key not in saved and value != defaults.get(key):  # at its default, the flag reproduces the older run
-            raise UsageError(f"--resume {folder!r} was written before {flag} existed, so it ran as with {flag} "
-                             f"{defaults.get(key)}, not {value}: drop the flag, or start a new run")
+            raise UsageError(
+                f"--resume {folder!r} was written before {flag} existed, so it ran as with {flag} "
+                f"{defaults.get(key)}, not {value}: drop the flag, or start a new run"
+            )
         if key in saved and saved[key] != value:
             raise UsageError(
-                f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: drop the flag or pass the checkpoint's value"
+                f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: "
+                "drop the flag or pass the checkpoint's value"
             )
     gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)
     if gone:
         raise UsageError(
-            f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: start a new run"
+            f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: "
+            "start a new run"
         )
     if task is not None and data_fingerprint(task.train) != state["data"]:
         raise UsageError(
@@ -292,8 +333,10 @@ def lock_run_folder(run_dir):
         handle = open(os.path.join(run_dir, ".lock"), "a")
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # held by another process
-        raise UsageError(f"the run folder {run_dir} is in use by another run (its .lock is held): wait for that run "
-                         "to end, or stop it, before resuming") from None
+        raise UsageError(
+            f"the run folder {run_dir} is in use by another run (its .lock is held): wait for that run "
+            "to end, or stop it, before resuming"
+        ) from None
     except OSError:
         return  # a read-only run folder: nothing will be written into it to collide
     LOCKS.append((run_dir, handle))
@@ -317,15 +360,19 @@ def check_later_results(folder, step, num_steps):
     """A resume never destroys a later result: its target must lie past the checkpoint, and its run folder must
     not hold a final model (or a PPO critic) of that target or later, which the resumed run would overwrite."""
     if num_steps <= step:
-        raise UsageError(f"--resume {folder!r} is at step {step}, and --num-steps {num_steps} ends there or before: "
-                         f"pass --num-steps above {step} to continue it")
+        raise UsageError(
+            f"--resume {folder!r} is at step {step}, and --num-steps {num_steps} ends there or before: "
+            f"pass --num-steps above {step} to continue it"
+        )
     run_dir = os.path.dirname(os.path.abspath(folder))
     for name in ("final", "critic"):
         path = os.path.join(run_dir, name)
         if os.path.isdir(path) and (final_step(path) or num_steps) >= num_steps:
             at = f"step {final_step(path)}" if final_step(path) else "an unknown step"
-            raise UsageError(f"--resume {folder!r}: {path} holds the model of {at}, which resuming to --num-steps "
-                             f"{num_steps} would overwrite: move it away first, or pass a larger --num-steps")
+            raise UsageError(
+                f"--resume {folder!r}: {path} holds the model of {at}, which resuming to --num-steps "
+                f"{num_steps} would overwrite: move it away first, or pass a larger --num-steps"
+            )
 
 
 def restore_state(state, optimizer, scheduler, sampler):
@@ -340,8 +387,10 @@ def restore_state(state, optimizer, scheduler, sampler):
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rank_rng"][dist.rank()] if "rank_rng" in state else state["rng"])
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
-        raise UsageError(f"the checkpoint's optimizer, schedule or RNG state does not fit this run ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}): start a new run") from None  # fmt: skip
+        raise UsageError(
+            f"the checkpoint's optimizer, schedule or RNG state does not fit this run ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}): start a new run"
+        ) from None
     return state["step"] + 1, state["history"]
 
 
@@ -364,11 +413,17 @@ class StopSignal:
         if self.signal is not None:
             saved = os.path.isdir(self.checkpoint_dir)
             where = f"the last checkpoint is {self.checkpoint_dir}" if saved else "no checkpoint was saved"
-            print(f"\n{signal.Signals(signum).name} again: stopped at once, in the middle of a step; {where}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n{signal.Signals(signum).name} again: stopped at once, in the middle of a step; {where}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)  # not an exception: code that catches everything (a reward function) cannot hold it
         self.signal = signal.Signals(signum).name
-        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
+        print(
+            f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)",
+            file=sys.stderr,
+        )
 
     def requested(self):
         """Whether to stop after this step: a signal reached this process or, under torchrun, any other one. Every
@@ -391,7 +446,9 @@ class StopSignal:
 
 def resume_command(script, checkpoint_dir):
     """The command that continues this run: its own flags (load_checkpoint wants the same Args back), then --resume."""
-    flags = sys.argv[1:] if os.path.basename(sys.argv[0]) == f"{script}.py" else []  # [] when main() is called from Python
+    flags = (
+        sys.argv[1:] if os.path.basename(sys.argv[0]) == f"{script}.py" else []
+    )  # [] when main() is called from Python
     kept = []
     for i, flag in enumerate(flags):
         if not (flag.startswith("--resume=") or flag == "--resume" or (i > 0 and flags[i - 1] == "--resume")):

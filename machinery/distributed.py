@@ -55,16 +55,24 @@ def check_launch(args, per_prompt, group_flag=None):
     if n == 1:
         return
     if args.dump_dir:
-        raise UsageError(f"--dump-dir writes one process's batch, and this launch has {n}: dump with plain python (one process)")
+        raise UsageError(
+            f"--dump-dir writes one process's batch, and this launch has {n}: dump with plain python (one process)"
+        )
     if prompts < n:
-        raise UsageError(f"--prompts-per-step {prompts} leaves some of the {n} processes without a prompt: "
-                         f"give each at least one (--prompts-per-step {n} or more, a multiple of {n})")
+        raise UsageError(
+            f"--prompts-per-step {prompts} leaves some of the {n} processes without a prompt: "
+            f"give each at least one (--prompts-per-step {n} or more, a multiple of {n})"
+        )
     if prompts % n and group_flag and prompts * per_prompt % n == 0:
-        raise UsageError(f"--prompts-per-step {prompts} on {n} processes would split a group ({group_flag} "
-                         f"{per_prompt}) across processes: make --prompts-per-step a multiple of {n}")
+        raise UsageError(
+            f"--prompts-per-step {prompts} on {n} processes would split a group ({group_flag} "
+            f"{per_prompt}) across processes: make --prompts-per-step a multiple of {n}"
+        )
     if prompts % n:
-        raise UsageError(f"--prompts-per-step {prompts} ({prompts * per_prompt} completions) does not divide "
-                         f"across {n} processes: make it a multiple of {n}")
+        raise UsageError(
+            f"--prompts-per-step {prompts} ({prompts * per_prompt} completions) does not divide "
+            f"across {n} processes: make it a multiple of {n}"
+        )
 
 
 def init(device):
@@ -98,7 +106,9 @@ def shard(*models):
         for model in models:
             if model is None:
                 continue
-            layer_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+            layer_classes = {
+                name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []
+            }
             for layer in [module for module in model.modules() if type(module).__name__ in layer_classes]:
                 fully_shard(layer, reshard_after_forward=True)
             fully_shard(model, reshard_after_forward=True)
@@ -255,7 +265,10 @@ def full_optimizer_state(optimizer):
     state_dict = optimizer.state_dict()
     if not initialized():
         return state_dict
-    state = {index: {key: _whole(value) for key, value in param_state.items()} for index, param_state in state_dict["state"].items()}
+    state = {
+        index: {key: _whole(value) for key, value in param_state.items()}
+        for index, param_state in state_dict["state"].items()
+    }
     return dict(state_dict, state=state)
 
 

@@ -18,7 +18,9 @@ def dump_batch(path, tensors):
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tensors = {k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if v is not None}
+    tensors = {
+        k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if v is not None
+    }
     # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
     save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
 
@@ -50,9 +52,19 @@ def start_dumps(args, script, run_dir):
         except (OSError, ValueError, AttributeError):
             owner = None
         if owner != run_dir:
-            raise UsageError(f"--dump-dir {dump_dir} already holds files of {owner or 'another run'}: pass an empty or new folder")
-    meta = {"script": script, "run_dir": run_dir, "args": vars(args), "versions": {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}}  # fmt: skip
+            raise UsageError(
+                f"--dump-dir {dump_dir} already holds files of {owner or 'another run'}: pass an empty or new folder"
+            )
+    meta = {
+        "script": script,
+        "run_dir": run_dir,
+        "args": vars(args),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
     try:
         os.makedirs(dump_dir, exist_ok=True)
         with open(meta_path, "w", encoding="utf-8") as f:
@@ -69,23 +81,31 @@ def finite(value):  # a tensor, a number, None, or a list of micro-batch pieces
 
 # The second term of each loss, by the key that holds it (grpo_loss: kl_ref, ppo_loss: v_loss): its flag, its name,
 # and what to change when the term itself (before its coefficient) overflows.
-SECOND_TERMS = {"kl_ref": ("--beta", "the k3 KL term", "lower --learning-rate (the policy moved far from the reference)"),
-                "v_loss": ("--vf-coef", "the value loss", "scale the reward down (the returns overflow it)")}
+SECOND_TERMS = {
+    "kl_ref": ("--beta", "the k3 KL term", "lower --learning-rate (the policy moved far from the reference)"),
+    "v_loss": ("--vf-coef", "the value loss", "scale the reward down (the returns overflow it)"),
+}
 
 
 def cause(what, dump, micro_terms):
     """(the term that went non-finite first, what to change) for a non-finite reward, loss or gradient, read off the
     step's batch and its micro-batches' loss terms in the order the step computes them."""
-    rollout = [("old_logp", "the policy's log-probs", "lower --learning-rate"),
-               ("ref_logp", "the reference model's log-probs", "check the reference model's weights"),
-               ("kl_coef", "the adaptive --kl-coef", "raise --kl-horizon, so the coefficient moves more slowly"),
-               ("values", "the critic's values", "lower --critic-learning-rate"),
-               ("scores", "the score", "check the reward function or --reward-model"),
-               ("rewards", "the reward" + (" (score - --missing-eos-penalty - --kl-coef * KL)" if "scores" in dump else ""),
-                "lower --kl-coef or --missing-eos-penalty, or scale the reward down" if "scores" in dump
-                else "check the reward function or --reward-model"),
-               ("returns", "the returns (the rewards summed over tokens)", "scale the reward down"),
-               ("advantages", "the advantages", "scale the reward down")]  # fmt: skip
+    rollout = [
+        ("old_logp", "the policy's log-probs", "lower --learning-rate"),
+        ("ref_logp", "the reference model's log-probs", "check the reference model's weights"),
+        ("kl_coef", "the adaptive --kl-coef", "raise --kl-horizon, so the coefficient moves more slowly"),
+        ("values", "the critic's values", "lower --critic-learning-rate"),
+        ("scores", "the score", "check the reward function or --reward-model"),
+        (
+            "rewards",
+            "the reward" + (" (score - --missing-eos-penalty - --kl-coef * KL)" if "scores" in dump else ""),
+            "lower --kl-coef or --missing-eos-penalty, or scale the reward down"
+            if "scores" in dump
+            else "check the reward function or --reward-model",
+        ),
+        ("returns", "the returns (the rewards summed over tokens)", "scale the reward down"),
+        ("advantages", "the advantages", "scale the reward down"),
+    ]
     for key, name, fix in rollout:
         if key in dump and not finite(dump[key]):
             return name, fix
@@ -114,12 +134,21 @@ def check_finite(step, what, value, run_dir, tensors, micro_terms=None):
     if finite(value):
         return
     rank = f"_rank{dist.rank()}" if dist.world_size() > 1 else ""
-    dump_path, checkpoint = os.path.join(run_dir, f"nonfinite_step{step}{rank}.safetensors"), os.path.join(run_dir, "checkpoint")
+    dump_path, checkpoint = (
+        os.path.join(run_dir, f"nonfinite_step{step}{rank}.safetensors"),
+        os.path.join(run_dir, "checkpoint"),
+    )
     dump_batch(dump_path, tensors)
     where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
-    term, fix = cause(what, tensors, micro_terms) if micro_terms else (None, "lower --learning-rate or check the reward function")
-    raise UsageError(f"step {step}: the {what} is not finite{f' ({term} went non-finite)' if term else ''}; the "
-                     f"batch is dumped to {dump_path} and {where}: {fix}")
+    term, fix = (
+        cause(what, tensors, micro_terms)
+        if micro_terms
+        else (None, "lower --learning-rate or check the reward function")
+    )
+    raise UsageError(
+        f"step {step}: the {what} is not finite{f' ({term} went non-finite)' if term else ''}; the "
+        f"batch is dumped to {dump_path} and {where}: {fix}"
+    )
 
 
 def batch_dump(rollout, micro_terms, keys, **extra):

@@ -48,7 +48,9 @@ def gguf_folder(path, cache, flag="--model"):
     try:
         key = content_key(path)
     except OSError as e:
-        raise UsageError(f"{flag} {path!r} cannot be read ({e.strerror}): fix its permissions or pass another file") from None
+        raise UsageError(
+            f"{flag} {path!r} cannot be read ({e.strerror}): fix its permissions or pass another file"
+        ) from None
     folder = os.path.join(cache, f"gguf-{os.path.basename(path)[:-5]}-{key}")
     if not os.path.isdir(folder):
         with cache_lock(cache):  # another run may be converting the same file: wait for it
@@ -60,8 +62,10 @@ def gguf_folder(path, cache, flag="--model"):
     if damage is None and not safetensors_complete(os.path.join(folder, "model.safetensors")):
         damage = "model.safetensors is cut short or unreadable"
     if damage:
-        raise UsageError(f"the cache is damaged ({damage}): delete {folder}, and the next run converts "
-                         f"{os.path.basename(path)} again")
+        raise UsageError(
+            f"the cache is damaged ({damage}): delete {folder}, and the next run converts "
+            f"{os.path.basename(path)} again"
+        )
     return folder
 
 
@@ -85,8 +89,11 @@ def safetensors_complete(path):
 def cache_failed(cache, error):
     """A cache that cannot be written (read-only, full disk): one line saying what to do."""
     reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error, 120)
-    fix = "free some disk space" if any(w in reason.lower() for w in ("space", "quota", "full")) else \
-        "make it writable, or set XDG_CACHE_HOME to a writable folder"  # fmt: skip
+    fix = (
+        "free some disk space"
+        if any(w in reason.lower() for w in ("space", "quota", "full"))
+        else "make it writable, or set XDG_CACHE_HOME to a writable folder"
+    )
     return UsageError(f"cannot write the converted model into the cache {cache} ({reason}): {fix}")
 
 
@@ -118,8 +125,9 @@ def convert_gguf(path, folder, flag):
     where, file = os.path.split(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=file)
-        loaded, info = AutoModelForCausalLM.from_pretrained(where, gguf_file=file, dtype=torch.float32,
-                                                            output_loading_info=True)
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=file, dtype=torch.float32, output_loading_info=True
+        )
     except Exception as e:  # an architecture or quantisation transformers cannot read raises ValueError, KeyError, ...
         raise UsageError(
             f"{flag} {os.path.basename(path)} cannot be read by transformers' GGUF loader ({one_line(e)}): "
@@ -127,8 +135,10 @@ def convert_gguf(path, folder, flag):
         ) from None
     if info.get("missing_keys"):  # transformers would start those weights at random and go on
         missing = sorted(info["missing_keys"])
-        raise UsageError(f"{flag} {os.path.basename(path)} lacks {len(missing)} of its model's tensors (e.g. "
-                         f"{missing[0]}): the file is incomplete; pass a complete GGUF file")
+        raise UsageError(
+            f"{flag} {os.path.basename(path)} lacks {len(missing)} of its model's tensors (e.g. "
+            f"{missing[0]}): the file is incomplete; pass a complete GGUF file"
+        )
     settings = {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "model_type")}
     config = AutoConfig.for_model(loaded.config.model_type, **settings)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -64,7 +64,8 @@ def check_args(args):
         raise UsageError(
             "--lora-rank under torchrun is not supported: the reference (the policy with its adapters off) and the "
             "adapter-only checkpoints are not wired to FSDP2's shards; run LoRA on one process (one GPU holds "
-            "a 7B policy with LoRA, README: LoRA)")  # fmt: skip
+            "a 7B policy with LoRA, README: LoRA)"
+        )
     import_peft()
 
 
@@ -72,9 +73,13 @@ def lora_config(args, task_type):
     peft = import_peft()
     targets = list(_arg(args, "lora_target_modules", ("all-linear",)))
     return peft.LoraConfig(
-        r=_arg(args, "lora_rank"), lora_alpha=_arg(args, "lora_alpha"), lora_dropout=_arg(args, "lora_dropout", 0.0),
-        target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none", task_type=task_type,
-    )  # fmt: skip
+        r=_arg(args, "lora_rank"),
+        lora_alpha=_arg(args, "lora_alpha"),
+        lora_dropout=_arg(args, "lora_dropout", 0.0),
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        bias="none",
+        task_type=task_type,
+    )
 
 
 def linear_names(model):
@@ -116,8 +121,10 @@ def save_adapters(model, folder, state_dict=None, **kwargs):
 
     adapters = get_peft_model_state_dict(model, state_dict=state_dict)  # lora_A/lora_B only, the adapter's name dropped
     os.makedirs(folder, exist_ok=True)
-    save_file({PREFIX + key: value.detach().cpu().contiguous() for key, value in adapters.items()},
-              os.path.join(folder, ADAPTER_FILE))  # fmt: skip
+    save_file(
+        {PREFIX + key: value.detach().cpu().contiguous() for key, value in adapters.items()},
+        os.path.join(folder, ADAPTER_FILE),
+    )
     model.peft_config["default"].save_pretrained(folder)
 
 
@@ -132,8 +139,10 @@ def load_adapters(model, folder):
     saved = {key.removeprefix(PREFIX): value for key, value in load_file(path).items()}
     result = set_peft_model_state_dict(model, saved)
     if result.unexpected_keys:
-        raise UsageError(f"--resume: the adapters in {folder} do not fit this model ({result.unexpected_keys[0]}): "
-                         "pass the checkpoint's --model and --lora-* flags")  # fmt: skip
+        raise UsageError(
+            f"--resume: the adapters in {folder} do not fit this model ({result.unexpected_keys[0]}): "
+            "pass the checkpoint's --model and --lora-* flags"
+        )
 
 
 def restore_weights(model, folder, load):
@@ -213,6 +222,10 @@ def save_merged(policy, tokenizer, folder, args):
         return
     from machinery import checkpoints
 
-    merged = types.SimpleNamespace(save_pretrained=lambda path, state_dict=None: type(policy).save_pretrained(
-        policy, path, state_dict=merged_state_dict(policy)), parameters=policy.parameters)  # fmt: skip
+    merged = types.SimpleNamespace(
+        save_pretrained=lambda path, state_dict=None: type(policy).save_pretrained(
+            policy, path, state_dict=merged_state_dict(policy)
+        ),
+        parameters=policy.parameters,
+    )
     checkpoints.save_model(merged, tokenizer, folder)

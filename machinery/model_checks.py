@@ -28,8 +28,10 @@ def check_causal_and_finite(model, name, what="--model"):
         return
     for key, param in model.named_parameters():
         if not torch.isfinite(param).all():
-            raise UsageError(f"{what} {name!r}: its weight {key} holds NaN or inf values: restore the model's "
-                             "weights, or pass another model")
+            raise UsageError(
+                f"{what} {name!r}: its weight {key} holds NaN or inf values: restore the model's "
+                "weights, or pass another model"
+            )
     embeddings = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]], device=device) % embeddings
@@ -37,9 +39,11 @@ def check_causal_and_finite(model, name, what="--model"):
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
     out = (out.logits if hasattr(out, "logits") else out.last_hidden_state).float()
     if not torch.allclose(out[0, :3], out[1, :3], rtol=1e-4, atol=1e-4):
-        raise UsageError(f"{what} {name!r} ({type(model).__name__}) is not causal: a later token changes the output "
-                         "at earlier positions, so it would learn from the completion it is shown: pass a "
-                         "decoder-only causal LM")
+        raise UsageError(
+            f"{what} {name!r} ({type(model).__name__}) is not causal: a later token changes the output "
+            "at earlier positions, so it would learn from the completion it is shown: pass a "
+            "decoder-only causal LM"
+        )
     CHECKED.add(name)
 
 
@@ -48,12 +52,16 @@ def check_token_ids(model, tokenizer, eos_ids, name):
     indexes out of range (a device-side assert on GPU)."""
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
-        raise UsageError(f"the tokenizer of {name!r} has {len(tokenizer)} tokens, but its model embeds only "
-                         f"{embeddings}: pass the tokenizer saved with the model (or resize its embeddings)")
+        raise UsageError(
+            f"the tokenizer of {name!r} has {len(tokenizer)} tokens, but its model embeds only "
+            f"{embeddings}: pass the tokenizer saved with the model (or resize its embeddings)"
+        )
     bad = [i for i in eos_ids if not 0 <= i < embeddings]
     if bad:
-        raise UsageError(f"the EOS id {bad[0]} of {name!r} is outside its {embeddings} embeddings: fix eos_token_id "
-                         "in its generation_config.json or tokenizer_config.json")
+        raise UsageError(
+            f"the EOS id {bad[0]} of {name!r} is outside its {embeddings} embeddings: fix eos_token_id "
+            "in its generation_config.json or tokenizer_config.json"
+        )
 
 
 def check_chat_template(tokenizer, name, chat_template):
@@ -62,14 +70,19 @@ def check_chat_template(tokenizer, name, chat_template):
     if not (chat_template and tokenizer.chat_template):
         return
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROBE}], add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:  # a Jinja template can raise anything
-        raise UsageError(f"the chat template of {name!r} raised {type(e).__name__} ({one_line(e, 120)}) on a plain "
-                         "user message: fix the template, or pass --no-chat-template") from None
+        raise UsageError(
+            f"the chat template of {name!r} raised {type(e).__name__} ({one_line(e, 120)}) on a plain "
+            "user message: fix the template, or pass --no-chat-template"
+        ) from None
     if not isinstance(text, str) or PROBE not in text:
-        raise UsageError(f"the chat template of {name!r} drops the message: {PROBE!r} renders as "
-                         f"{one_line(repr(text), 80)}: fix the template, or pass --no-chat-template")
+        raise UsageError(
+            f"the chat template of {name!r} drops the message: {PROBE!r} renders as "
+            f"{one_line(repr(text), 80)}: fix the template, or pass --no-chat-template"
+        )
 
 
 def check_same_vocabulary(model, critic):
@@ -81,14 +94,19 @@ def check_same_vocabulary(model, critic):
     vocabulary = models.load_tokenizer(model).get_vocab()
     path = models.resolve_model_path(critic)
     has_tokenizer = not os.path.isdir(path) or any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
     if has_tokenizer and models.load_tokenizer(critic).get_vocab() != vocabulary:
-        raise UsageError(f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
-                         "pick a critic of the same model family (same tokenizer)")
+        raise UsageError(
+            f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
+            "pick a critic of the same model family (same tokenizer)"
+        )
     size = models._from_pretrained(AutoConfig, path).get_text_config().vocab_size
     if size < len(vocabulary):
-        raise UsageError(f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
-                         f"--model {model!r}'s tokenizer: pick a critic of the same model family")
+        raise UsageError(
+            f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
+            f"--model {model!r}'s tokenizer: pick a critic of the same model family"
+        )
 
 
 def machine_memory(device):
@@ -107,13 +125,17 @@ def step_bytes(args, config, world_size=1):
     update: a micro-batch's logits, their log-softmax and gradient (3 float32 copies). Prompts count as 1 token.
     """
     text = config.get_text_config()  # an architecture without one of these sizes counts it as 1: still a lower bound
-    vocab, hidden, layers = (getattr(text, key, None) or 1 for key in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    vocab, hidden, layers = (
+        getattr(text, key, None) or 1 for key in ("vocab_size", "hidden_size", "num_hidden_layers")
+    )
     heads = getattr(text, "num_attention_heads", None) or 1
     kv_dim = getattr(text, "num_key_value_heads", None) or heads
     kv_dim = kv_dim * (getattr(text, "head_dim", None) or max(hidden // heads, 1))
     inner = getattr(text, "intermediate_size", None) or 4 * hidden
     params = vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
-    copies = 16 + 4 * (getattr(args, "beta", 0) > 0 or getattr(args, "kl_coef", 0) > 0) + 16 * hasattr(args, "critic_model")
+    copies = (
+        16 + 4 * (getattr(args, "beta", 0) > 0 or getattr(args, "kl_coef", 0) > 0) + 16 * hasattr(args, "critic_model")
+    )
     rows = args.prompts_per_step * getattr(args, "group_size", getattr(args, "samples_per_prompt", 1)) // world_size
     length = args.max_new_tokens + 1
     width = 4 if args.dtype in ("auto", "float32") else 2  # auto is float32 on CPU: the upper of the two
@@ -127,16 +149,19 @@ def step_bytes(args, config, world_size=1):
 
 
 def check_step_fits(args, config, device, world_size=1):
-    """Refuse a step that cannot fit in this machine's memory even at the lower bound of step_bytes, with the numbers."""
+    """Refuse a step that cannot fit in this machine's memory even at the lower bound of step_bytes, with the
+    numbers."""
     need, parts = step_bytes(args, config, world_size)
     have = machine_memory(device)
     if need > have:
         biggest = max(parts, key=parts.get)
         where = "GPU memory" if device.type == "cuda" else "memory (RAM)"
         group = "--group-size" if hasattr(args, "group_size") else "--samples-per-prompt"
-        raise UsageError(f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "
-                         f"{gib(have)} GiB of {where}: lower --prompts-per-step, {group}, --max-new-tokens or "
-                         "--micro-batch-size")
+        raise UsageError(
+            f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "
+            f"{gib(have)} GiB of {where}: lower --prompts-per-step, {group}, --max-new-tokens or "
+            "--micro-batch-size"
+        )
 
 
 def gib(size):

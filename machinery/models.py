@@ -9,8 +9,7 @@ import sys
 
 import torch
 
-from machinery import gguf_convert
-from machinery import model_checks
+from machinery import gguf_convert, model_checks
 from machinery.errors import UsageError
 
 TINY_MODEL = "tiny"
@@ -37,12 +36,22 @@ def build_tiny_model(folder):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     backend.decoder = decoders.Fuse()  # join characters back without spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"],
+        eos_token_id=vocab["<eos>"],
+        bos_token_id=None,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config)
@@ -125,8 +134,10 @@ def load_tokenizer(name, system_prompt=None):
     tokenizer = _from_pretrained(loader, path)
     tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise UsageError(f"the tokenizer of {name!r} has neither a pad nor an EOS token, so no completion can end: "
-                         "set eos_token in its tokenizer_config.json")
+        raise UsageError(
+            f"the tokenizer of {name!r} has neither a pad nor an EOS token, so no completion can end: "
+            "set eos_token in its tokenizer_config.json"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.system_prompt = system_prompt
@@ -139,13 +150,16 @@ def chat_texts(tokenizer, prompts):
     system = getattr(tokenizer, "system_prompt", None)
     turn = [{"role": "system", "content": system}] if system is not None else []
     try:
-        return tokenizer.apply_chat_template([turn + [{"role": "user", "content": p}] for p in prompts],
-                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            [turn + [{"role": "user", "content": p}] for p in prompts], add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:  # jinja's TemplateError: a template that takes no system turn (Gemma's) raises one
         if system is None:
             raise
-        raise UsageError(f"the chat template of this tokenizer takes no system prompt ({type(e).__name__}: "
-                         f"{str(e)[:80]}): drop --system-prompt") from None
+        raise UsageError(
+            f"the chat template of this tokenizer takes no system prompt ({type(e).__name__}: "
+            f"{str(e)[:80]}): drop --system-prompt"
+        ) from None
 
 
 def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
@@ -178,13 +192,20 @@ def load_causal_lm(name, device, dtype=torch.float32):
 
     config = _from_pretrained(AutoConfig, resolve_model_path(name))
     if config.is_encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UsageError(f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model")
+        raise UsageError(
+            f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model"
+        )
     heads = config.architectures or []
-    if heads and not any(head.endswith(("ForCausalLM", "LMHeadModel")) for head in heads):  # its LM head would be random
+    if heads and not any(
+        head.endswith(("ForCausalLM", "LMHeadModel")) for head in heads
+    ):  # its LM head would be random
         raise UsageError(f"{name!r} was saved as {', '.join(heads)}, not a causal LM: pass one with --model")
     model = load_pretrained(AutoModelForCausalLM, name, device, dtype)
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        raise UsageError(f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): use another architecture")
+        raise UsageError(
+            f"{name!r} ({type(model).__name__}) cannot return the completion's logits alone (no logits_to_keep): "
+            "use another architecture"
+        )
     model_checks.check_causal_and_finite(model, name)
     return model
 
@@ -208,6 +229,7 @@ HEAD_FILE = "value_head.safetensors"
 def save_backbone_and_head(backbone, state_dict, folder):
     """A critic's weights (its state dict): the backbone as a transformers folder, the value head beside it."""
     from safetensors.torch import save_file
+
     part = lambda name: {k.split(".", 1)[1]: v.contiguous() for k, v in state_dict.items() if k.startswith(f"{name}.")}  # noqa: E731
     backbone.save_pretrained(folder, state_dict=part("backbone"))
     save_file(part("value_head"), os.path.join(folder, HEAD_FILE))
@@ -247,8 +269,11 @@ def note(message):
 def check_vocabulary(tokenizer, task, model_name):
     """Refuse a task whose prompts (all of them, train and held out) have characters the tokenizer does not know,
     or whose answers it could not write (Task.answers: refused if "written", a note if "yours")."""
-    advice = "use a hub model with --model, or a task the tiny model reads (copy, arithmetic)" if model_name == TINY_MODEL \
-        else "use a model whose tokenizer has them, or remove them from the task"  # fmt: skip
+    advice = (
+        "use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
+        if model_name == TINY_MODEL
+        else "use a model whose tokenizer has them, or remove them from the task"
+    )
     examples = task.train + task.test
     for key in ("prompt", "answer"):
         texts = [example[key] for example in examples]
@@ -260,10 +285,13 @@ def check_vocabulary(tokenizer, task, model_name):
         which = f"{len(bad)} of the {len(texts)} {key}s of task {task.name!r} {'has' if len(bad) == 1 else 'have'}"
         if key == "prompt":
             raise UsageError(
-                f"{which} characters the tokenizer of {model_name!r} does not know (e.g. {char!r} in {bad[0][:60]!r}): {advice}"
+                f"{which} characters the tokenizer of {model_name!r} does not know "
+                f"(e.g. {char!r} in {bad[0][:60]!r}): {advice}"
             )
-        message = f"{which} characters the tokenizer of {model_name!r} cannot write (e.g. {char!r} in {bad[0][:60]!r}), " \
-            "so no completion can match them"  # fmt: skip
+        message = (
+            f"{which} characters the tokenizer of {model_name!r} cannot write (e.g. {char!r} in {bad[0][:60]!r}), "
+            "so no completion can match them"
+        )
         if task.answers == "yours":
             note(f"{message}; if your reward compares completions with answers, {advice}")
         else:
@@ -317,7 +345,11 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
             )
         (length, prompt), over = longest(tokenizer, prompts, limit - max_new_tokens, chat_template)
         if over:
-            fix = f"lower --max-new-tokens to {limit - length} or shorten the prompts" if length < limit else "shorten the prompts"
+            fix = (
+                f"lower --max-new-tokens to {limit - length} or shorten the prompts"
+                if length < limit
+                else "shorten the prompts"
+            )
             raise UsageError(
                 f"a prompt of task {task.name!r} is {length} tokens ({prompt[:40]!r}...); with --max-new-tokens "
                 f"{max_new_tokens} that is more than the {limit} positions of {model_name!r}: {fix}"
@@ -329,10 +361,14 @@ def check_prompt_length(tokenizer, task, model, model_name, max_new_tokens, chat
         return
     fix = f"raise --max-new-tokens to {length + 1} (its tokens and the EOS)"
     if limit and length + 1 + longest(tokenizer, prompts, 0, chat_template)[0][0] > limit:
-        fix = "shorten the answers, or the prompts: the longest prompt and answer do not fit in the " \
-            f"{limit} positions of {model_name!r}"  # fmt: skip
-    message = f"task {task.name!r} has {over} answer{'s' * (over != 1)} longer than --max-new-tokens {max_new_tokens} " \
-        f"tokens (the longest, {answer[:40]!r}, is {length} tokens)"  # fmt: skip
+        fix = (
+            "shorten the answers, or the prompts: the longest prompt and answer do not fit in the "
+            f"{limit} positions of {model_name!r}"
+        )
+    message = (
+        f"task {task.name!r} has {over} answer{'s' * (over != 1)} longer than --max-new-tokens {max_new_tokens} "
+        f"tokens (the longest, {answer[:40]!r}, is {length} tokens)"
+    )
     if task.answers == "yours":
         note(f"{message}; if your reward compares completions with answers, {fix}")
     else:
@@ -372,14 +408,19 @@ class RewardModel:
         self.tokenizer.padding_side = "right"
         self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype).eval()
         if self.model.config.num_labels != 1:
-            raise UsageError(f"--reward-model {name!r} has {self.model.config.num_labels} outputs: a reward model has 1")
+            raise UsageError(
+                f"--reward-model {name!r} has {self.model.config.num_labels} outputs: a reward model has 1"
+            )
         if self.model.config.pad_token_id is None:  # it finds each row's last token through the pad id
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def score(self, prompts, completions, answers):
         templated = bool(self.tokenizer.chat_template)
         if templated:
-            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
+            chats = [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                for p, c in zip(prompts, completions)
+            ]
             texts = self.tokenizer.apply_chat_template(chats, tokenize=False)
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
@@ -387,7 +428,9 @@ class RewardModel:
         with torch.no_grad():
             for i in range(0, len(texts), self.batch_size):
                 # A rendered template already holds its BOS: adding special tokens again would give two.
-                enc = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=not templated)
+                enc = self.tokenizer(
+                    texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=not templated
+                )
                 enc = enc.to(self.model.device)
                 scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores

@@ -43,8 +43,9 @@ def choose_dtype(name, device_type, native, model_name):
     built-in tiny model on a CPU. float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
     """
     if name == "float16":
-        raise UsageError("--dtype float16 would need loss scaling, which this project does not do: "
-                         "use --dtype bfloat16 or float32")
+        raise UsageError(
+            "--dtype float16 would need loss scaling, which this project does not do: use --dtype bfloat16 or float32"
+        )
     if name != "auto":
         return DTYPES[name], f"--dtype {name}"
     if native and device_type == "cuda":

@@ -76,7 +76,13 @@ def shared_prompt_cache(model, input_ids, attention_mask, position_ids, prompt_l
     if cache is None:
         return None
     n = prompt_length - 1
-    model(input_ids=input_ids[first, :n], attention_mask=attention_mask[first, :n],
-          position_ids=position_ids[first, :n], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    model(
+        input_ids=input_ids[first, :n],
+        attention_mask=attention_mask[first, :n],
+        position_ids=position_ids[first, :n],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_argument(model): cache},
+    )
     cache.batch_select_indices(run)  # [g, heads, n, d] -> [B, heads, n, d], each row its run's prompt
     return cache

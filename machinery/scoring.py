@@ -69,14 +69,16 @@ def score_tokens(scorer, tokenizer, prompts, completions, answers, completion_id
             if r and not isinstance(r[0], tuple) and len(r) != len(ids[i]):
                 raise UsageError(
                     f"reward function of task {scorer.name!r} returned {len(r)} per-token values on prompt "
-                    f"{shorten(prompts[i])}, whose completion has {len(ids[i])} tokens (EOS included): return one a token"
+                    f"{shorten(prompts[i])}, whose completion has {len(ids[i])} tokens (EOS included): "
+                    "return one a token"
                 )
             ends[i] = ends[i] or token_ends(tokenizer, ids[i], completions[i])
             placed[i] = place_dense(r, ends[i], completion_mask[i])
     # Spans, or per-token values from a function that sees the tokens (one that does not cannot tell a prefix
     # from a completion without EOS): checked to be causal on the longest completion, the likeliest to show it.
-    dense = [i for i, r in enumerate(rewards)
-             if isinstance(r, list) and (wants_tokens or not r or isinstance(r[0], tuple))]  # fmt: skip
+    dense = [
+        i for i, r in enumerate(rewards) if isinstance(r, list) and (wants_tokens or not r or isinstance(r[0], tuple))
+    ]
     if dense:
         i = max(dense, key=lambda i: len(ids[i]))
         paid = placed[i][completion_mask[i].bool()].cumsum(0).tolist()  # paid to the first k + 1 tokens
@@ -94,8 +96,10 @@ def check_causal(scorer, prompt, completion, answer, ends, pieces, paid):
     try:
         totals = scorer.score([prompt] * n, [completion[: ends[k]] for k in range(n)], [answer] * n, **extra)
     except UsageError as e:
-        raise UsageError(f"on a prefix of completion {shorten(completion)} (checking that the dense reward is "
-                         f"causal, see README, Reward functions): {e}") from None
+        raise UsageError(
+            f"on a prefix of completion {shorten(completion)} (checking that the dense reward is "
+            f"causal, see README, Reward functions): {e}"
+        ) from None
     for k, total in enumerate(totals):
         total = sum(v[2] if isinstance(v, tuple) else v for v in total) if isinstance(total, list) else total
         if abs(total - paid[k]) > 1e-5 * max(1.0, abs(total)):

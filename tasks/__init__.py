@@ -30,9 +30,16 @@ from typing import Callable
 
 from machinery.errors import UsageError, one_line, shorten
 from tasks.rewards import (
-    arithmetic_reward, copy_dense_reward, copy_reward, countdown_reward, gsm8k_format_reward, gsm8k_reward,
-    last_number_reward, match_reward, parse_number,
-)  # fmt: skip
+    arithmetic_reward,
+    copy_dense_reward,
+    copy_reward,
+    countdown_reward,
+    gsm8k_format_reward,
+    gsm8k_reward,
+    last_number_reward,
+    match_reward,
+    parse_number,
+)
 from tasks.user import as_user_code, python_reward_and_examples, read_jsonl
 
 
@@ -100,17 +107,23 @@ def check_dense(reward, completion, where):
         return [finite_float(v) for v in reward]
     for span in reward:
         if not (isinstance(span, (list, tuple)) and len(span) == 3 and finite_float(span[2]) is not None):
-            raise UsageError(f"{where}: a dense reward is a list of finite numbers (one a token) or of "
-                             "(start, end, value) spans with a finite value")
+            raise UsageError(
+                f"{where}: a dense reward is a list of finite numbers (one a token) or of "
+                "(start, end, value) spans with a finite value"
+            )
         start, end = span[0], span[1]
         odd = [i for i in (start, end) if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
         if odd:
-            raise UsageError(f"{where}: span ({shorten(start)}, {shorten(end)}) must give its start and end as whole "
-                             f"numbers (character positions in the completion), not {type(odd[0]).__name__}")
+            raise UsageError(
+                f"{where}: span ({shorten(start)}, {shorten(end)}) must give its start and end as whole "
+                f"numbers (character positions in the completion), not {type(odd[0]).__name__}"
+            )
         start, end = int(start), int(end)
         if not 0 <= start < end <= len(completion):
-            raise UsageError(f"{where}: span ({shorten(start)}, {shorten(end)}) is not within the completion of "
-                             f"{len(completion)} characters (need 0 <= start < end <= {len(completion)})")
+            raise UsageError(
+                f"{where}: span ({shorten(start)}, {shorten(end)}) is not within the completion of "
+                f"{len(completion)} characters (need 0 <= start < end <= {len(completion)})"
+            )
     return [(int(start), int(end), finite_float(value)) for start, end, value in reward]
 
 
@@ -125,7 +138,8 @@ def split_examples(name, examples, seed=1234):
         by_prompt.setdefault(example["prompt"], []).append(example)
     if len(by_prompt) < 2:
         raise UsageError(
-            f"task {name!r} has {len(by_prompt)} distinct prompt(s): it needs at least 2, one to train on and one held out"
+            f"task {name!r} has {len(by_prompt)} distinct prompt(s): "
+            "it needs at least 2, one to train on and one held out"
         )
     groups = list(by_prompt.values())
     random.Random(seed).shuffle(groups)
@@ -163,8 +177,10 @@ def copy_form(arg):
     low, _, high = digits.partition("-")
     high = high or low
     if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 20 and dense in ("", "dense")):
-        raise UsageError(f"task copy:{arg}: write copy:DIGITS, copy:LOW-HIGH or either with :dense, DIGITS from 1 "
-                         "to 20, e.g. copy:8:dense or copy:1-4")  # fmt: skip
+        raise UsageError(
+            f"task copy:{arg}: write copy:DIGITS, copy:LOW-HIGH or either with :dense, DIGITS from 1 "
+            "to 20, e.g. copy:8:dense or copy:1-4"
+        )
     tasks = [copy_task(d, dense == "dense") for d in range(int(low), int(high) + 1)]
     if len(tasks) == 1:
         return tasks[0]
@@ -214,7 +230,11 @@ def addition_task(seed=1234):
     Scored by last_number_reward: the last number of the completion must be the sum, so a chat model may
     answer "47 + 28 = 75" as well as "75", and the completion must stay short (at most 100 characters).
     """
-    examples = [{"prompt": ADDITION_PROMPT.format(a=a, b=b), "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
+    examples = [
+        {"prompt": ADDITION_PROMPT.format(a=a, b=b), "answer": str(a + b)}
+        for a in range(10, 100)
+        for b in range(10, 100)
+    ]
     return Task("addition", *split_examples("addition", examples, seed), last_number_reward)
 
 

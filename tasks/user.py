@@ -98,7 +98,9 @@ def read_jsonl(path):
             line = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")  # the BOM some editors write
         except UnicodeDecodeError as e:
             byte = raw[e.start : e.start + 1]
-            raise UsageError(f"{path}, line {number}: byte {byte!r} is not UTF-8 text: save the file as UTF-8 JSONL") from None
+            raise UsageError(
+                f"{path}, line {number}: byte {byte!r} is not UTF-8 text: save the file as UTF-8 JSONL"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -177,8 +179,10 @@ def python_reward_and_examples(spec):
         dense = {"tokens": ["3"]} if "tokens" in signature.parameters else {}  # a per-token reward's fourth argument
         signature.bind("prompt", "completion", "answer", **dense)
     except TypeError:
-        raise UsageError(f"{path}: {function} must take (prompt, completion, answer), and `tokens` as a fourth "
-                         "for a per-token reward: def reward(prompt, completion, answer, tokens)") from None
+        raise UsageError(
+            f"{path}: {function} must take (prompt, completion, answer), and `tokens` as a fourth "
+            "for a per-token reward: def reward(prompt, completion, answer, tokens)"
+        ) from None
     except ValueError:  # some builtins have no signature to check; Task.score will catch a bad call
         pass
     if data:

@@ -23,7 +23,8 @@ def xdg_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """These models are tiny: a second thread gains nothing, and on a shared 2-core machine it makes the suite 4x slower."""
+    """These models are tiny: a second thread gains nothing, and on a shared 2-core machine it makes the suite 4x
+    slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -69,16 +70,32 @@ def make_small_model(kind="qwen2", seed=0, **overrides):
 
     if kind == "qwen2":
         config = dict(
-            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False,
-            pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        )  # fmt: skip
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.5,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+        )
         config_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
     else:
         config = dict(
-            vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5,
-            pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        )  # fmt: skip
+            vocab_size=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            initializer_range=0.5,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+        )
         config_cls, model_cls = GPT2Config, GPT2LMHeadModel
     config.update(overrides)
     torch.manual_seed(seed)

@@ -29,35 +29,57 @@ import torch.nn.functional as F
 import transformers
 
 import common
-from machinery import models
 import ppo
+from machinery import models
 
 CPU = torch.device("cpu")
 PAD, EOS, VOCAB = 0, 1, 96
 TEMPERATURE = 0.7
 CLOSE = dict(atol=1e-5, rtol=1e-6)  # float32 rounding: these log-probs reach -20, where one ulp is 2e-6
 COMMON_CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5,
-    pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.5,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    bos_token_id=None,
+)
 GEMMA2_3 = dict(
     head_dim=8, query_pre_attn_scalar=8, sliding_window=3, final_logit_softcapping=5.0, attn_logit_softcapping=10.0
 )
 FALCON_H1 = dict(
-    head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4,
-    lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.5, 2.0], key_multiplier=0.7,
-    attention_in_multiplier=0.8, attention_out_multiplier=1.5, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
-    ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
-)  # fmt: skip
+    head_dim=8,
+    mamba_d_ssm=32,
+    mamba_n_heads=4,
+    mamba_d_head=8,
+    mamba_d_state=8,
+    mamba_chunk_size=4,
+    lm_head_multiplier=0.5,
+    embedding_multiplier=2.0,
+    mlp_multipliers=[0.5, 2.0],
+    key_multiplier=0.7,
+    attention_in_multiplier=0.8,
+    attention_out_multiplier=1.5,
+    ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.8,
+)
 # name: (config class, causal LM class, config values beyond COMMON_CONFIG)
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2_3),
     "gemma3-text": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA2_3),
@@ -65,15 +87,23 @@ ARCHITECTURES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),
     "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
-        logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2)),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2),
+    ),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25, use_qk_norm=True)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2)),  # the 2nd layer has no rotary
     "falcon-h1": ("FalconH1Config", "FalconH1ForCausalLM", FALCON_H1),
     "falcon": ("FalconConfig", "FalconForCausalLM", {}),  # Falcon-7B's layout: multi-query, rotary, parallel blocks
-    "falcon-alibi": ("FalconConfig", "FalconForCausalLM", dict(  # Falcon-RW's layout
-        alibi=True, multi_query=False, parallel_attn=False, bias=True)),
-}  # fmt: skip
+    "falcon-alibi": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(  # Falcon-RW's layout
+            alibi=True, multi_query=False, parallel_attn=False, bias=True
+        ),
+    ),
+}
 
 
 def build(name):

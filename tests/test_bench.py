@@ -43,9 +43,24 @@ def test_bench_small_shape_on_cpu(tmp_path):
     """~20 s: it builds the small model and runs grpo.py and ppo.py for 2 steps each, in subprocesses."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
-        [sys.executable, "benchmarks/bench.py", "--shape", "small", "--steps", "2", "--max-new-tokens", "8", "--keep", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/bench.py",
+            "--shape",
+            "small",
+            "--steps",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--keep",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 3 and rows[0].startswith("| script | shape |"), result.stdout

@@ -1,22 +1,28 @@
-"""Bad Args are refused before anything heavy is loaded (the subprocess table of bad input is in test_bad_input.py);
+"""Bad Args are refused before anything heavy is loaded (the subprocess table of bad input is in test_bad_input_cli.py);
 the hub defaults replace only the fields left at their default."""
 
 import sys
 
 import pytest
 
-from machinery import bookkeeping
-from machinery import errors
 import grpo
-from machinery import models
 import ppo
+from machinery import bookkeeping, errors, models
 
 
 @pytest.mark.parametrize(
     "field, value",
-    [("beta", -0.1), ("learning_rate", 0.0), ("micro_batch_size", 0), ("num_iterations", 0), ("num_steps", 0),
-     ("clip_high", -0.1), ("max_grad_norm", 0.0), ("warmup_steps", -1)],
-)  # fmt: skip
+    [
+        ("beta", -0.1),
+        ("learning_rate", 0.0),
+        ("micro_batch_size", 0),
+        ("num_iterations", 0),
+        ("num_steps", 0),
+        ("clip_high", -0.1),
+        ("max_grad_norm", 0.0),
+        ("warmup_steps", -1),
+    ],
+)
 def test_other_bad_args_are_usage_errors(field, value, tmp_path, monkeypatch):
     """The same checks in-process (no subprocess start-up), and none of them loads a model first."""
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking Args"))
@@ -37,4 +43,6 @@ def test_hub_defaults_replace_only_the_fields_left_at_their_default(module, monk
     bookkeeping.apply_hub_defaults(args, module.HUB_DEFAULTS, given)
     assert args.micro_batch_size == 128 and args.num_steps == module.HUB_DEFAULTS["num_steps"]
     tiny = module.Args(learning_rate=1e-3)
-    assert bookkeeping.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps
+    assert (
+        bookkeeping.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps
+    )

@@ -12,13 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from machinery import scoring
 import grpo
-from machinery import models
 import ppo
+from machinery import models, scoring
 from machinery.errors import UsageError
-from tasks.rewards import copy_dense_reward, copy_reward
 from tasks import Task, load_task
+from tasks.rewards import copy_dense_reward, copy_reward
 
 
 def byte_tokenizer():
@@ -104,15 +103,20 @@ def share_of_the_longer(prompt, completion, answer):
 
 
 def test_a_dense_reward_that_is_not_causal_gets_one_line(tiny_tokenizer):
-    """"12345" for answer "1234": the 5 lowers what each right character was paid (0.25 to 0.2)."""
+    """ "12345" for answer "1234": the 5 lowers what each right character was paid (0.25 to 0.2)."""
     ids, mask = batch(tiny_tokenizer, ["12345", "12"])
-    with pytest.raises(UsageError, match=r"is not causal: on prompt '1234=', the first 1 token\(s\) of completion "
-                                         r"'12345' were paid 0.2 in all, but it gives their text '1' 0.25") as e:
-        scoring.score_tokens(task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2,
-                            ids, mask)  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=r"is not causal: on prompt '1234=', the first 1 token\(s\) of completion "
+        r"'12345' were paid 0.2 in all, but it gives their text '1' 0.25",
+    ) as e:
+        scoring.score_tokens(
+            task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2, ids, mask
+        )
     assert "\n" not in str(e.value)
-    placed = scoring.score_tokens(task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"],
-                                 ["1234"] * 2, ids, mask)  # fmt: skip
+    placed = scoring.score_tokens(
+        task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2, ids, mask
+    )
     assert placed[0].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, -0.2, 0])  # the 5 pays on its own token
 
 
@@ -120,7 +124,9 @@ def test_per_token_values_are_checked_on_the_prefixes_they_are_given(tiny_tokeni
     """A function taking `tokens` sees each prefix's tokens; paying the last token for the length is not causal."""
     causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]  # noqa: E731
     ids, mask = batch(tiny_tokenizer, ["121"])
-    assert scoring.score_tokens(task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask).sum() == pytest.approx(0.2)
+    assert scoring.score_tokens(
+        task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask
+    ).sum() == pytest.approx(0.2)
     by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]  # noqa: E731
     with pytest.raises(UsageError, match="is not causal"):
         scoring.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
@@ -139,7 +145,10 @@ def test_copy_dense_reward_is_the_increase_of_copy_reward_on_each_prefix():
             assert math.isclose(values.get(i, 0.0), increase, abs_tol=1e-12)
             assert (values.get(i, 0) > 0) == (i < len(answer) and completion[i] == answer[i])  # paid where right
     # A character past the answer is paid, negative, on its own token; what came before it keeps its value.
-    assert copy_dense_reward("", "12345", "1234") == [*copy_dense_reward("", "1234", "1234"), (4, 5, pytest.approx(-0.2))]
+    assert copy_dense_reward("", "12345", "1234") == [
+        *copy_dense_reward("", "1234", "1234"),
+        (4, 5, pytest.approx(-0.2)),
+    ]
 
 
 def test_copy_task_forms():
@@ -182,15 +191,25 @@ def dense_task(monkeypatch, fn):
 
 def stored_completions(d):
     tokenizer = models.load_tokenizer(models.TINY_MODEL)
-    completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id])
+    completions = common.decode_completions(
+        tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id]
+    )
     return tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True), completions
 
 
 def test_grpo_outcome_is_the_sum_of_the_dense_reward(tmp_path, monkeypatch):
     dense_task(monkeypatch, lambda p, c, a: [(i, i + 1, 0.1 * (i + 1)) for i in range(len(c)) if c[i] in "0123456"])
     dump = tmp_path / "dump"
-    grpo.main(grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, sample_every=0, output_dir=str(tmp_path / "r"),
-                        dump_dir=str(dump)))  # fmt: skip
+    grpo.main(
+        grpo.Args(
+            num_steps=1,
+            prompts_per_step=4,
+            group_size=4,
+            sample_every=0,
+            output_dir=str(tmp_path / "r"),
+            dump_dir=str(dump),
+        )
+    )
     d = load_file(dump / "step000001.safetensors")
     _, completions = stored_completions(d)
     expected = [sum(0.1 * (i + 1) for i, ch in enumerate(c) if ch in "0123456") for c in completions]
@@ -200,18 +219,32 @@ def test_grpo_outcome_is_the_sum_of_the_dense_reward(tmp_path, monkeypatch):
 
 def test_ppo_reward_holds_each_value_at_its_token(tmp_path, monkeypatch):
     """With no KL penalty and no missing-EOS penalty, PPO's per-token reward is the dense reward itself."""
-    dense_task(monkeypatch, lambda p, c, a: [(i, i + 1, float(i + 1)) for i in range(len(c)) if i < len(p) and c[i] == p[i]])
+    dense_task(
+        monkeypatch, lambda p, c, a: [(i, i + 1, float(i + 1)) for i in range(len(c)) if i < len(p) and c[i] == p[i]]
+    )
     dump = tmp_path / "dump"
-    ppo.main(ppo.Args(num_steps=1, prompts_per_step=16, kl_coef=0.0, missing_eos_penalty=0.0, sample_every=0,
-                      output_dir=str(tmp_path / "r"), dump_dir=str(dump)))  # fmt: skip
+    ppo.main(
+        ppo.Args(
+            num_steps=1,
+            prompts_per_step=16,
+            kl_coef=0.0,
+            missing_eos_penalty=0.0,
+            sample_every=0,
+            output_dir=str(tmp_path / "r"),
+            dump_dir=str(dump),
+        )
+    )
     d = load_file(dump / "step000001.safetensors")
     prompts, completions = stored_completions(d)
     tokenizer = models.load_tokenizer(models.TINY_MODEL)
     expected = torch.zeros_like(d["rewards"])
     for row, (p, c) in enumerate(zip(prompts, completions)):
         # Which token writes each character: decode the tokens one by one (a sampled <pad> writes 5 characters).
-        owner = [k for k, token in enumerate(d["completion_ids"][row].tolist())
-                 for _ in tokenizer.decode([token], skip_special_tokens=False)][: len(c)]  # fmt: skip
+        owner = [
+            k
+            for k, token in enumerate(d["completion_ids"][row].tolist())
+            for _ in tokenizer.decode([token], skip_special_tokens=False)
+        ][: len(c)]
         for i in range(len(c)):
             if i < len(p) and c[i] == p[i]:
                 expected[row, owner[i]] += float(i + 1)

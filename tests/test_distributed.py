@@ -15,21 +15,19 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from machinery import distributed as dist
-from machinery import dumps
 import grpo
-from machinery import models
 import ppo
-from machinery import prompt_cache
+from machinery import distributed as dist
+from machinery import dumps, models, prompt_cache
 from machinery.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIGITS = '''EXAMPLES = [{"prompt": f"{i:03d}=", "answer": "7"} for i in range(200)]
+DIGITS = """EXAMPLES = [{"prompt": f"{i:03d}=", "answer": "7"} for i in range(200)]
 
 
 def reward(prompt, completion, answer):
     return sum(c in "0123456789" for c in completion) / 5
-'''  # a reward the tiny model learns in ~10 steps (one process, lr 5e-3: GRPO 0.54 over steps 1-5, 0.90 over 6-10)
+"""  # a reward the tiny model learns in ~10 steps (one process, lr 5e-3: GRPO 0.54 over steps 1-5, 0.90 over 6-10)
 
 
 @pytest.fixture
@@ -44,15 +42,22 @@ def digits_task(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script, flags, message", [
-    (grpo, dict(prompts_per_step=1), "--prompts-per-step 1 leaves some of the 2 processes without a prompt"),
-    (grpo, dict(prompts_per_step=3), "--prompts-per-step 3 on 2 processes would split a group (--group-size 8)"),
-    (grpo, dict(prompts_per_step=3, group_size=3), "--prompts-per-step 3 (9 completions) does not divide across 2"),
-    (ppo, dict(prompts_per_step=3), "--prompts-per-step 3 (3 completions) does not divide across 2 processes"),
-    (ppo, dict(prompts_per_step=6, num_minibatches=2), "does not divide the batch of 3 completions per process"),
-    (grpo, dict(prompts_per_step=4, dump_dir="d"), "--dump-dir writes one process's batch, and this launch has 2"),
-    (ppo, dict(seed=2**32 - 1), "--seed is 4294967295: it must be in [0, 4294967294] (each of the 2 processes seeds"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        (grpo, dict(prompts_per_step=1), "--prompts-per-step 1 leaves some of the 2 processes without a prompt"),
+        (grpo, dict(prompts_per_step=3), "--prompts-per-step 3 on 2 processes would split a group (--group-size 8)"),
+        (grpo, dict(prompts_per_step=3, group_size=3), "--prompts-per-step 3 (9 completions) does not divide across 2"),
+        (ppo, dict(prompts_per_step=3), "--prompts-per-step 3 (3 completions) does not divide across 2 processes"),
+        (ppo, dict(prompts_per_step=6, num_minibatches=2), "does not divide the batch of 3 completions per process"),
+        (grpo, dict(prompts_per_step=4, dump_dir="d"), "--dump-dir writes one process's batch, and this launch has 2"),
+        (
+            ppo,
+            dict(seed=2**32 - 1),
+            "--seed is 4294967295: it must be in [0, 4294967294] (each of the 2 processes seeds",
+        ),
+    ],
+)
 def test_bad_launch_is_refused_in_one_line(monkeypatch, script, flags, message):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError) as error:
@@ -73,8 +78,10 @@ def test_bad_launch_under_torchrun_prints_its_line_once():
     run = torchrun("grpo.py", "--prompts-per-step", "3")
     assert run.returncode != 0
     ours = [line for line in run.stderr.splitlines() if line.startswith("error")]
-    assert ours == ["error: --prompts-per-step 3 on 2 processes would split a group (--group-size 8) across processes: "
-                    "make --prompts-per-step a multiple of 2"], run.stderr  # fmt: skip
+    assert ours == [
+        "error: --prompts-per-step 3 on 2 processes would split a group (--group-size 8) across processes: "
+        "make --prompts-per-step a multiple of 2"
+    ], run.stderr
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,20 +107,28 @@ def fixed_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_i
 
 
 GRPO_CONFIGS = [dict(scale_rewards="batch", loss_agg=agg) for agg in grpo.LOSS_AGGREGATIONS] + [
-    dict(scale_rewards="group", num_iterations=2), dict(scale_rewards="none", importance_level="sequence")]
+    dict(scale_rewards="group", num_iterations=2),
+    dict(scale_rewards="none", importance_level="sequence"),
+]
 PPO_CONFIGS = [dict(num_steps=2, target_kl=0.1, kl_horizon=10)]  # the controller moves kl_coef by N / horizon
-BASE = dict(grpo=dict(num_steps=1, prompts_per_step=4, group_size=4, micro_batch_size=4),
-            ppo=dict(num_steps=1, prompts_per_step=8, num_minibatches=2, update_epochs=2, micro_batch_size=2))
+BASE = dict(
+    grpo=dict(num_steps=1, prompts_per_step=4, group_size=4, micro_batch_size=4),
+    ppo=dict(num_steps=1, prompts_per_step=8, num_minibatches=2, update_epochs=2, micro_batch_size=2),
+)
 
 
 def one_process_minibatches(num_minibatches, world=2):
     """randperm for one process whose minibatches are the union of `world` processes' ones (each shuffling its
     slice of the batch in reverse); the processes' randperm is then reversed(range(n))."""
+
     def randperm(n, **kwargs):
         share = n // world
         size = share // num_minibatches
         local = torch.arange(share).flip(0)
-        return torch.cat([r * share + local[k * size : (k + 1) * size] for k in range(num_minibatches) for r in range(world)])
+        return torch.cat(
+            [r * share + local[k * size : (k + 1) * size] for k in range(num_minibatches) for r in range(world)]
+        )
+
     return randperm
 
 
@@ -137,7 +152,11 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
         settings = dict(BASE[script], **config)
         if script == "ppo":
             randperm = lambda n, **k: torch.arange(n).flip(0)  # noqa: E731
-            patch(torch, "randperm", randperm if dist.world_size() > 1 else one_process_minibatches(settings["num_minibatches"]))
+            patch(
+                torch,
+                "randperm",
+                randperm if dist.world_size() > 1 else one_process_minibatches(settings["num_minibatches"]),
+            )
         losses.clear()
         module.main(module.Args(task=task, sample_every=0, learning_rate=5e-3, output_dir=f"{out_dir}/{i}", **settings))
         results.append(list(losses))
@@ -145,7 +164,9 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
 
 
 def _process(rank, port, script, task, configs, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
     torch.set_num_threads(1)
     run_updates(script, task, configs, out_dir)
     torch.distributed.destroy_process_group()
@@ -265,8 +286,18 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, digits_tas
     """The processes vote on stopping after each step: a signal that reaches one of them just after the vote is
     acted on at the next one, by all, never by that process alone (it would wait forever for the others)."""
     with open(tmp_path / "stderr.txt", "w+") as err:  # a file, not a pipe that could fill while stdout is read
-        launcher = torchrun(*GRPO_FLAGS, "--task", digits_task, "--sample-every", "1", "--output-dir", str(tmp_path / "runs"),
-                            stdout=subprocess.PIPE, stderr=err, start_new_session=True)  # fmt: skip
+        launcher = torchrun(
+            *GRPO_FLAGS,
+            "--task",
+            digits_task,
+            "--sample-every",
+            "1",
+            "--output-dir",
+            str(tmp_path / "runs"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
         workers = [rank_pid(launcher, rank) for rank in (0, 1)]  # torchrun starts them outside its process group
 
         def kill_all():
@@ -298,6 +329,19 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, digits_tas
 
 @pytest.mark.slow
 def test_ppo_under_torchrun_learns_and_resumes(tmp_path, digits_task):
-    flags = ["ppo.py", "--task", digits_task, "--num-steps", "12", "--prompts-per-step", "8", "--learning-rate", "5e-3",
-             "--sample-every", "0", "--target-kl", "0.1"]  # fmt: skip
+    flags = [
+        "ppo.py",
+        "--task",
+        digits_task,
+        "--num-steps",
+        "12",
+        "--prompts-per-step",
+        "8",
+        "--learning-rate",
+        "5e-3",
+        "--sample-every",
+        "0",
+        "--target-kl",
+        "0.1",
+    ]
     learns_then_resumes_exactly(tmp_path, flags, ["final", "critic"])

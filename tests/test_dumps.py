@@ -11,10 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from machinery import scoring
 import grpo
-from machinery import models
 import ppo
+from machinery import models, scoring
 from tasks import load_task
 
 ATOL = 1e-6
@@ -38,7 +37,9 @@ def check_scores(d, scores):
     """The copy task's score of each stored completion, from the decoded ids: "123=" -> "123" scores 1."""
     tokenizer = models.load_tokenizer(models.TINY_MODEL)
     prompts = tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True)
-    completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id])
+    completions = common.decode_completions(
+        tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id]
+    )
     expected = load_task("copy").score(prompts, completions, [p.removesuffix("=") for p in prompts])
     assert scores.tolist() == pytest.approx(expected, abs=ATOL)
 
@@ -47,16 +48,25 @@ def logprobs_of(model_path, d, temperature, rows=slice(None)):
     model = models.load_causal_lm(model_path, torch.device("cpu"))
     input_ids, attention_mask = full_ids(d)
     with torch.no_grad():
-        return common.token_logprobs(model, input_ids[rows], attention_mask[rows], d["completion_mask"][rows], temperature)
+        return common.token_logprobs(
+            model, input_ids[rows], attention_mask[rows], d["completion_mask"][rows], temperature
+        )
 
 
 GRPO_VARIANTS = {
     "defaults": dict(),
     "iterations-kl-token-mean": dict(num_iterations=2, beta=0.1, loss_agg="token-mean", clip_low=0.1, clip_high=0.05),
-    "gspo-sum-norm-micro": dict(importance_level="sequence", loss_agg="seq-mean-token-sum-norm", scale_rewards="group",
-                                micro_batch_size=4, num_iterations=2, beta=0.0, learning_rate=1e-2),
+    "gspo-sum-norm-micro": dict(
+        importance_level="sequence",
+        loss_agg="seq-mean-token-sum-norm",
+        scale_rewards="group",
+        micro_batch_size=4,
+        num_iterations=2,
+        beta=0.0,
+        learning_rate=1e-2,
+    ),
     "dr-grpo": dict(scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.0),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("variant", GRPO_VARIANTS)
@@ -107,7 +117,9 @@ def test_grpo_dump_recomputes(variant, tmp_path):
 def test_grpo_dump_of_a_changed_model_is_not_the_initial_one(tmp_path):
     """The log-prob check above can fail: step 2 sampled from an updated model, whose log-probs differ."""
     dump_dir = str(tmp_path / "dump")
-    fields = dict(seed=3, num_steps=2, prompts_per_step=3, group_size=4, max_new_tokens=4, sample_every=0, learning_rate=1e-2)
+    fields = dict(
+        seed=3, num_steps=2, prompts_per_step=3, group_size=4, max_new_tokens=4, sample_every=0, learning_rate=1e-2
+    )
     grpo.main(grpo.Args(**fields, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir))
     meta, d = read_dump(dump_dir, 2)
     initial = logprobs_of(models.TINY_MODEL, d, meta["args"]["temperature"])
@@ -117,10 +129,20 @@ def test_grpo_dump_of_a_changed_model_is_not_the_initial_one(tmp_path):
 PPO_VARIANTS = {
     "defaults": dict(),
     "no-reference": dict(kl_coef=0.0, missing_eos_penalty=0.0),
-    "kl-micro": dict(kl_coef=0.1, kl_estimator="k3", target_kl=0.05, missing_eos_penalty=0.5, micro_batch_size=2,
-                     gamma=0.9, lam=0.8, vf_coef=0.5, cliprange_value=0.1, clip_high=0.28),
+    "kl-micro": dict(
+        kl_coef=0.1,
+        kl_estimator="k3",
+        target_kl=0.05,
+        missing_eos_penalty=0.5,
+        micro_batch_size=2,
+        gamma=0.9,
+        lam=0.8,
+        vf_coef=0.5,
+        cliprange_value=0.1,
+        clip_high=0.28,
+    ),
     "whiten-rewards-entropy": dict(whiten_rewards=True, ent_coef=0.05, micro_batch_size=4),
-}  # fmt: skip
+}
 
 
 def whiten_scale_only(x, mask):
@@ -137,7 +159,9 @@ def entropy_of(model_path, d, temperature, rows):
     T = d["completion_mask"].shape[1]
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows]).logits
+        logits = model(
+            input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows]
+        ).logits
     logp = torch.log_softmax(logits[:, -T - 1 : -1].float() / temperature, -1)
     return -(logp.exp() * logp).sum(-1) * d["completion_mask"][rows]
 
@@ -167,7 +191,9 @@ def check_ppo_dump(meta, d, eos_ids):
     assert len(order) == a["update_epochs"] * a["num_minibatches"] and order[-1].tolist() == minibatch.tolist()
     assert set(idx.tolist()) <= set(minibatch.tolist()) and len(idx) == min(a["micro_batch_size"], len(minibatch))
     mb_mask = mask[idx]
-    pg_loss = ppo.clipped_policy_loss(d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"])
+    pg_loss = ppo.clipped_policy_loss(
+        d["new_logp"] - d["old_logp"][idx], advantages[idx], a["clip_low"], a["clip_high"]
+    )
     v_loss = ppo.clipped_value_loss(d["new_values"], d["values"][idx], returns[idx], a["cliprange_value"])
     per_token_loss = pg_loss + a["vf_coef"] * v_loss - a.get("ent_coef", 0.0) * d["entropy"]
     close(d["per_token_loss"], per_token_loss * mb_mask)
@@ -183,7 +209,14 @@ def check_ppo_dump(meta, d, eos_ids):
 def test_ppo_dump_recomputes(variant, tmp_path):
     """Step 1, then a resume from its checkpoint to step 2, so the models that made step 2 are on disk."""
     dump_dir = str(tmp_path / "dump")
-    fields = dict(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir)
+    fields = dict(
+        seed=3,
+        prompts_per_step=8,
+        max_new_tokens=4,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=dump_dir,
+    )
     fields.update(PPO_VARIANTS[variant])
     ppo.main(ppo.Args(num_steps=1, save_every=1, **fields))
     (checkpoint,) = glob.glob(str(tmp_path / "runs" / "*" / "checkpoint"))
@@ -216,7 +249,18 @@ def test_ppo_dump_recomputes(variant, tmp_path):
 def test_ppo_dumped_entropy_is_the_full_softmax_entropy(tmp_path):
     """One update in the step (one epoch, one minibatch): the dumped micro-batch is computed before any update."""
     dump_dir = str(tmp_path / "dump")
-    ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, update_epochs=1,
-                      num_minibatches=1, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir))  # fmt: skip
+    ppo.main(
+        ppo.Args(
+            seed=3,
+            prompts_per_step=8,
+            max_new_tokens=4,
+            sample_every=0,
+            num_steps=1,
+            update_epochs=1,
+            num_minibatches=1,
+            output_dir=str(tmp_path / "runs"),
+            dump_dir=dump_dir,
+        )
+    )
     meta, d = read_dump(dump_dir, 1)
     close(d["entropy"], entropy_of(models.TINY_MODEL, d, meta["args"]["temperature"], d["micro_index"]))

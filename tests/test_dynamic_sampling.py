@@ -13,11 +13,14 @@ def fake_round(rewards, prompt_width, completion_width, tag):
     n = len(rewards)
     ids = torch.arange(n)[:, None] + 100 * tag
     return dict(
-        prompts=[f"p{tag}.{i}" for i in range(n)], completions=[f"c{tag}.{i}" for i in range(n)],
-        prompt_ids=ids.expand(n, prompt_width).clone(), prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
+        prompts=[f"p{tag}.{i}" for i in range(n)],
+        completions=[f"c{tag}.{i}" for i in range(n)],
+        prompt_ids=ids.expand(n, prompt_width).clone(),
+        prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
         completion_ids=ids.expand(n, completion_width).clone(),
-        completion_mask=torch.ones(n, completion_width, dtype=torch.long), rewards=torch.tensor(rewards),
-    )  # fmt: skip
+        completion_mask=torch.ones(n, completion_width, dtype=torch.long),
+        rewards=torch.tensor(rewards),
+    )
 
 
 def test_concat_batches_pads_prompts_left_and_completions_right():
@@ -41,7 +44,9 @@ def run_dynamic_sampling(rounds, prompts_per_step=2, group_size=2, max_rounds=3)
         drawn.append(len(drawn))
         return fake_round(rounds[len(drawn) - 1], 2, 2 + len(drawn), tag=len(drawn))
 
-    args = types.SimpleNamespace(prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds)
+    args = types.SimpleNamespace(
+        prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds
+    )
     batch, rounds = grpo.dynamic_sampling(sample, args)
     assert rounds == len(drawn)
     return batch, rounds
@@ -64,7 +69,9 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ():
 
 
 def test_dynamic_sampling_fills_with_equal_groups_after_the_last_round():
-    batch, drawn = run_dynamic_sampling([[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]], max_rounds=2)
+    batch, drawn = run_dynamic_sampling(
+        [[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]], max_rounds=2
+    )
     assert drawn == 2
     assert len(batch["rewards"]) == 4  # always prompts_per_step groups: the step's shapes never change
     assert batch["prompts"][:2] == ["p2.0", "p2.1"]  # the one informative group first, then the first equal one
@@ -73,8 +80,15 @@ def test_dynamic_sampling_fills_with_equal_groups_after_the_last_round():
 
 def test_a_step_with_dynamic_sampling_trains_on_informative_groups(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = grpo.Args(num_steps=2, prompts_per_step=4, group_size=4, dynamic_sampling=True, max_sampling_rounds=4,
-                     dump_dir=str(tmp_path / "dumps"), sample_every=0)  # fmt: skip
+    args = grpo.Args(
+        num_steps=2,
+        prompts_per_step=4,
+        group_size=4,
+        dynamic_sampling=True,
+        max_sampling_rounds=4,
+        dump_dir=str(tmp_path / "dumps"),
+        sample_every=0,
+    )
     grpo.main(args)
     from safetensors.torch import load_file
 

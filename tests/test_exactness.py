@@ -6,17 +6,16 @@ one BOS for the reward model, what the reward sees of a completion, float16, wei
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers, processors
+from test_reproducibility import logged_scalars, only_run_dir
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import models as tokenizer_models
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config
 
 import common
-from machinery import errors
 import grpo
-from machinery import models
 import ppo
-from machinery import precision
+from machinery import errors, models, precision
 from tasks import rewards
-from test_reproducibility import logged_scalars, only_run_dir
 
 CPU = torch.device("cpu")
 
@@ -26,8 +25,14 @@ def test_the_reference_equals_the_policy_at_step_1_in_bfloat16(script, tmp_path)
     """The reference was held in bf16 while the policy kept float32 weights under bf16 autocast: with the same
     weights their log-probs differed (max 0.005 per token) and step 1 logged a KL > 0. Now it is exactly 0."""
     module = {"grpo": grpo, "ppo": ppo}[script]
-    extra = dict(beta=0.04, group_size=4) if script == "grpo" else dict(kl_coef=0.05, missing_eos_penalty=0.0, update_epochs=1, num_minibatches=1)
-    args = module.Args(seed=3, num_steps=1, prompts_per_step=8, dtype="bfloat16", sample_every=0, output_dir=str(tmp_path), **extra)
+    extra = (
+        dict(beta=0.04, group_size=4)
+        if script == "grpo"
+        else dict(kl_coef=0.05, missing_eos_penalty=0.0, update_epochs=1, num_minibatches=1)
+    )
+    args = module.Args(
+        seed=3, num_steps=1, prompts_per_step=8, dtype="bfloat16", sample_every=0, output_dir=str(tmp_path), **extra
+    )
     module.main(args)
     scalars = logged_scalars(only_run_dir(tmp_path))
     assert scalars["losses/kl_ref"] == [(1, 0.0)]
@@ -43,7 +48,9 @@ def bos_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     return tokenizer
 
@@ -53,9 +60,16 @@ def test_the_reward_model_sees_one_bos(tmp_path):
     front, which changes the score (reward-model cards warn of it)."""
     tokenizer = bos_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=1, pad_token_id=0, initializer_range=0.5,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+        initializer_range=0.5,
+    )
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config).eval()
     folder = str(tmp_path / "rm")
@@ -80,16 +94,23 @@ def test_the_reward_sees_every_token_but_the_first_eos_and_after(tiny_tokenizer)
     t = tiny_tokenizer
     pad, eos, unk = t.pad_token_id, t.eos_token_id, t.unk_token_id
     d = {c: t.convert_tokens_to_ids(c) for c in "123"}
-    completion_ids = torch.tensor([
-        [d["1"], d["2"], d["3"], eos, pad],     # the copy, then EOS: "123"
-        [d["1"], pad, d["2"], d["3"], eos],     # a pad in the middle stays in the text
-        [d["1"], d["2"], d["3"], unk, pad],     # no EOS: everything stays
-        [eos, d["1"], d["2"], d["3"], eos],     # EOS first: the empty string
-    ])  # fmt: skip
+    completion_ids = torch.tensor(
+        [
+            [d["1"], d["2"], d["3"], eos, pad],  # the copy, then EOS: "123"
+            [d["1"], pad, d["2"], d["3"], eos],  # a pad in the middle stays in the text
+            [d["1"], d["2"], d["3"], unk, pad],  # no EOS: everything stays
+            [eos, d["1"], d["2"], d["3"], eos],  # EOS first: the empty string
+        ]
+    )
     completion_mask = common.mask_after_eos(completion_ids, [eos])
     texts = common.decode_completions(t, completion_ids, completion_mask, [eos])
     assert texts == ["123", "1<pad>23", "123<unk><pad>", ""]
-    assert [rewards.copy_reward("123=", text, "123") for text in texts] == [1.0, pytest.approx(1 / 8), pytest.approx(3 / 13), 0.0]
+    assert [rewards.copy_reward("123=", text, "123") for text in texts] == [
+        1.0,
+        pytest.approx(1 / 8),
+        pytest.approx(3 / 13),
+        0.0,
+    ]
 
 
 def test_float16_is_refused_in_one_line():
@@ -111,22 +132,30 @@ def test_weight_decay_is_a_flag_and_0_by_default(script, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim, "AdamW", recording_adamw)
     extra = dict(group_size=2) if script == "grpo" else dict(update_epochs=1, num_minibatches=1)
-    module.main(module.Args(num_steps=1, prompts_per_step=2, weight_decay=0.25, sample_every=0, output_dir=str(tmp_path), **extra))
+    module.main(
+        module.Args(
+            num_steps=1, prompts_per_step=2, weight_decay=0.25, sample_every=0, output_dir=str(tmp_path), **extra
+        )
+    )
     (optimizer,) = built
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.25] * len(optimizer.param_groups)
 
 
 def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
-    """An encoder-decoder loads through no causal-LM path that computes what generate() samples: one line, not a traceback."""
+    """An encoder-decoder loads through no causal-LM path that computes what generate() samples: one line, not a
+    traceback."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50)).save_pretrained(str(tmp_path / "t5"))
+    T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50)).save_pretrained(
+        str(tmp_path / "t5")
+    )
     with pytest.raises(errors.UsageError, match="is a t5 model, not a decoder-only causal LM"):
         models.load_causal_lm(str(tmp_path / "t5"), CPU)
 
 
 def test_no_decay_on_norms_and_biases_spares_exactly_those(tiny_model):
-    """--no-decay-norms-and-biases: the HF Trainer's (TRL's) groups, decay on every matrix but no norm weight or bias."""
+    """--no-decay-norms-and-biases: the HF Trainer's (TRL's) groups, decay on every matrix but no norm weight or
+    bias."""
     decayed, spared = common.adamw_param_groups(tiny_model, 0.1, decay_norms_and_biases=False)
     names = {id(p): n for n, p in tiny_model.named_parameters()}
     spared_names = {names[id(p)] for p in spared["params"]}

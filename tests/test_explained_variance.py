@@ -3,9 +3,9 @@
 import os
 
 from safetensors.torch import load_file
+from test_reproducibility import logged_scalars, only_run_dir
 
 import grpo
-from test_reproducibility import logged_scalars, only_run_dir
 
 
 def explained_variance_by_loop(rewards, group_size):
@@ -21,11 +21,22 @@ def explained_variance_by_loop(rewards, group_size):
 def test_grpo_explained_variance_is_each_completion_against_its_group(tmp_path):
     """A reward with many values (distinct characters written), so a baseline from another group shows."""
     reward = tmp_path / "distinct.py"
-    reward.write_text('EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
-                      "def reward(prompt, completion, answer):\n    return len(set(completion)) / 4\n")
-    args = grpo.Args(seed=5, num_steps=2, prompts_per_step=4, group_size=3, max_new_tokens=4, learning_rate=3e-2,
-                     task=f"python:{reward}:reward", sample_every=0, output_dir=str(tmp_path / "runs"),
-                     dump_dir=str(tmp_path / "dump"))  # fmt: skip
+    reward.write_text(
+        'EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
+        "def reward(prompt, completion, answer):\n    return len(set(completion)) / 4\n"
+    )
+    args = grpo.Args(
+        seed=5,
+        num_steps=2,
+        prompts_per_step=4,
+        group_size=3,
+        max_new_tokens=4,
+        learning_rate=3e-2,
+        task=f"python:{reward}:reward",
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+    )
     grpo.main(args)
     logged = dict(logged_scalars(only_run_dir(tmp_path / "runs"))["losses/explained_variance"])
     for step in (1, 2):

@@ -14,13 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from machinery import bookkeeping
-from machinery import checkpoints
 import common
-from machinery import errors
 import grpo
-from machinery import models
 import ppo
+from machinery import bookkeeping, checkpoints, errors, models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
@@ -43,18 +40,37 @@ def wait_for(predicate, what, process, timeout=120):
 
 @pytest.mark.parametrize(
     "script, sig",
-    [pytest.param("grpo", signal.SIGINT, id="grpo-SIGINT"), pytest.param("ppo", signal.SIGTERM, id="ppo-SIGTERM"),
-     pytest.param("grpo", signal.SIGTERM, id="grpo-SIGTERM", marks=pytest.mark.slow),  # one handler: the third adds little
-     pytest.param("grpo", signal.SIGHUP, id="grpo-SIGHUP")],  # a closed terminal or ssh session
-)  # fmt: skip
+    [
+        pytest.param("grpo", signal.SIGINT, id="grpo-SIGINT"),
+        pytest.param("ppo", signal.SIGTERM, id="ppo-SIGTERM"),
+        pytest.param(
+            "grpo", signal.SIGTERM, id="grpo-SIGTERM", marks=pytest.mark.slow
+        ),  # one handler: the third adds little
+        pytest.param("grpo", signal.SIGHUP, id="grpo-SIGHUP"),
+    ],  # a closed terminal or ssh session
+)
 def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cache):
     output_dir, log_path = tmp_path / "runs", tmp_path / "stderr.txt"
     small = ["--prompts-per-step", "4", "--max-new-tokens", "4"] + (["--group-size", "2"] if script == "grpo" else [])
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, f"{script}.py", "--num-steps", "400", "--sample-every", "0", "--output-dir", str(output_dir), *small],
-            cwd=REPO, env=child_env(xdg_cache), stdout=subprocess.PIPE, stderr=log, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                f"{script}.py",
+                "--num-steps",
+                "400",
+                "--sample-every",
+                "0",
+                "--output-dir",
+                str(output_dir),
+                *small,
+            ],
+            cwd=REPO,
+            env=child_env(xdg_cache),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         # tqdm's bar shows "2/400" once two steps are done: the loop is running, the handler installed.
         steps_done = lambda: max(map(int, re.findall(r"(\d+)/400", log_path.read_text())), default=0)  # noqa: E731
         wait_for(lambda: steps_done() >= 2, "step 2", process)
@@ -76,8 +92,12 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
     # The printed command resumes it (here to two more steps, not to 400: a later flag overrides an earlier one).
     result = subprocess.run(
         [sys.executable, *command[1:], "--num-steps", str(stopped_at + 2)],
-        cwd=REPO, env=child_env(xdg_cache), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=child_env(xdg_cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"{script} done: {stopped_at + 2} steps" in result.stdout
     run_dir = os.path.dirname(checkpoint)
@@ -85,7 +105,11 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
 
 
 def test_resume_command_repeats_the_flags_but_not_the_old_resume(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--learning-rate", "1e-3", "--resume", "old/checkpoint", "--task", "jsonl:my data.jsonl"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["grpo.py", "--learning-rate", "1e-3", "--resume", "old/checkpoint", "--task", "jsonl:my data.jsonl"],
+    )
     command = checkpoints.resume_command("grpo", "runs/x/checkpoint")
     assert command == "python grpo.py --learning-rate 1e-3 --task 'jsonl:my data.jsonl' --resume runs/x/checkpoint"
     monkeypatch.setattr(sys, "argv", ["pytest", "-q"])  # main() called from Python: no flags to repeat
@@ -93,7 +117,11 @@ def test_resume_command_repeats_the_flags_but_not_the_old_resume(monkeypatch):
 
 
 def quick_args(script, tmp_path, **overrides):
-    one_update = dict(prompts_per_step=4, group_size=2) if script == "grpo" else dict(prompts_per_step=4, update_epochs=1, num_minibatches=1)
+    one_update = (
+        dict(prompts_per_step=4, group_size=2)
+        if script == "grpo"
+        else dict(prompts_per_step=4, update_epochs=1, num_minibatches=1)
+    )
     fields = dict(seed=1, num_steps=3, max_new_tokens=4, sample_every=0, output_dir=str(tmp_path), **one_update)
     fields.update(overrides)
     return SCRIPTS[script].Args(**fields)

@@ -9,7 +9,6 @@ import common
 import grpo
 import ppo
 
-
 # ---------------------------------------------------------------------------------------------------
 # KL estimators
 # ---------------------------------------------------------------------------------------------------
@@ -77,8 +76,10 @@ def slow_whiten(x, mask, shift_mean, eps=1e-8):
     real = [v for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()) if m]
     mean = sum(real) / len(real)
     var = sum((v - mean) ** 2 for v in real) / len(real)
-    out = [((v - mean) / math.sqrt(var + eps) + (0 if shift_mean else mean)) if m else 0.0
-           for v, m in zip(x.flatten().tolist(), mask.flatten().tolist())]  # fmt: skip
+    out = [
+        ((v - mean) / math.sqrt(var + eps) + (0 if shift_mean else mean)) if m else 0.0
+        for v, m in zip(x.flatten().tolist(), mask.flatten().tolist())
+    ]
     return torch.tensor(out).view(x.shape)
 
 
@@ -90,7 +91,9 @@ def test_masked_whiten_matches_a_loop_over_real_positions(shift_mean):
     torch.testing.assert_close(common.masked_whiten(x, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
     # Whatever sits at masked positions does not change the result.
     noisy = torch.where(mask.bool(), x, torch.full_like(x, 1e6))
-    torch.testing.assert_close(common.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean))
+    torch.testing.assert_close(
+        common.masked_whiten(noisy, mask, shift_mean=shift_mean), slow_whiten(x, mask, shift_mean)
+    )
 
 
 def test_masked_whiten_without_shift_keeps_the_mean():
@@ -188,12 +191,14 @@ def test_aggregate_loss_rejects_unknown_mode():
 
 def test_mask_after_eos():
     EOS = 1
-    ids = torch.tensor([
-        [5, 6, EOS, 7, 8],  # cut after the first EOS, inclusive
-        [5, 6, 7, 8, 9],  # no EOS: keep every token
-        [EOS, 5, 5, 5, 5],  # EOS first: keep only it
-        [5, 6, 7, 8, EOS],  # EOS last
-    ])  # fmt: skip
+    ids = torch.tensor(
+        [
+            [5, 6, EOS, 7, 8],  # cut after the first EOS, inclusive
+            [5, 6, 7, 8, 9],  # no EOS: keep every token
+            [EOS, 5, 5, 5, 5],  # EOS first: keep only it
+            [5, 6, 7, 8, EOS],  # EOS last
+        ]
+    )
     expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
     assert torch.equal(common.mask_after_eos(ids, [EOS]), expected)
 

@@ -5,9 +5,9 @@ the same number, so the factor itself is read; test_distributed.py's slow runs c
 import socket
 
 import torch
+from conftest import make_small_model
 
 from machinery import distributed as dist
-from conftest import make_small_model
 
 
 def free_port():
@@ -23,8 +23,12 @@ def test_every_fsdp_unit_sums_its_gradients():
     try:
         policy, critic = dist.shard(make_small_model("qwen2"), make_small_model("qwen2", seed=1))
         for model in (policy, critic):
-            groups = [g for unit in model.modules() if isinstance(unit, FSDPModule)
-                      for g in unit._get_fsdp_state()._fsdp_param_groups]  # fmt: skip
+            groups = [
+                g
+                for unit in model.modules()
+                if isinstance(unit, FSDPModule)
+                for g in unit._get_fsdp_state()._fsdp_param_groups
+            ]
             assert len(groups) == 3  # each of the 2 decoder layers and the rest of the model
             assert all(g.gradient_divide_factor == 1.0 and g.force_sum_reduction_for_comms for g in groups)
     finally:

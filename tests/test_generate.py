@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from conftest import make_small_model
 
 import common
 from machinery import models
-from conftest import make_small_model
 
 PROMPTS = ["12=", "3=", "456=", "7="] * 8
 
@@ -80,11 +80,12 @@ def test_samples_are_not_cut_to_the_top_k(tiny_tokenizer):
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
     with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask, position_ids=common.position_ids_from_mask(attention_mask)).logits
+        logits = model(
+            input_ids, attention_mask=attention_mask, position_ids=common.position_ids_from_mask(attention_mask)
+        ).logits
     logits = logits[:, prompt_ids.shape[1] - 1 : -1]  # [B, T, V], the distributions that sampled each token
     ranks = (logits > logits.gather(-1, completion_ids[..., None])).sum(-1)  # 0 for the most likely token
     assert (ranks[completion_mask.bool()] >= 50).any()
-
 
 
 def test_sampling_ignores_the_models_suppress_tokens(tiny_tokenizer):
@@ -92,7 +93,9 @@ def test_sampling_ignores_the_models_suppress_tokens(tiny_tokenizer):
     seven = tiny_tokenizer.convert_tokens_to_ids("7")
     model.generation_config.suppress_tokens = [i for i in range(len(tiny_tokenizer)) if i != seven]
     torch.manual_seed(0)
-    *_, completion_ids, _ = common.generate(model, tiny_tokenizer, PROMPTS, 5, 1.0, models.eos_token_ids(model, tiny_tokenizer))
+    *_, completion_ids, _ = common.generate(
+        model, tiny_tokenizer, PROMPTS, 5, 1.0, models.eos_token_ids(model, tiny_tokenizer)
+    )
     assert (completion_ids != seven).any()  # 160 tokens all "7" from the model's own distribution: never
 
 
@@ -103,7 +106,10 @@ def test_sampling_ignores_the_models_no_repeat_ngram_size(tiny_tokenizer):
     prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
         model, tiny_tokenizer, PROMPTS, 8, 1.0, models.eos_token_ids(model, tiny_tokenizer)
     )
-    rows = [p[pm.bool()].tolist() + c[cm.bool()].tolist() for p, pm, c, cm in zip(prompt_ids, prompt_mask, completion_ids, completion_mask)]
+    rows = [
+        p[pm.bool()].tolist() + c[cm.bool()].tolist()
+        for p, pm, c, cm in zip(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    ]
     assert any(len(set(row)) < len(row) for row in rows)  # 32 rows of up to 12 tokens from a vocabulary of 25
 
 

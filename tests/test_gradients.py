@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-from machinery import models
 import ppo
+from machinery import models
 
 CPU = torch.device("cpu")
 
@@ -102,17 +102,34 @@ def grpo_expected_gradient(policy, old_policy, d, args):
     return flat(p.grad for p in policy.parameters())
 
 
-@pytest.mark.parametrize("flags", [
-    dict(loss_agg="seq-mean-token-mean"), dict(loss_agg="token-mean"), dict(loss_agg="seq-mean-token-sum-norm"),
-    dict(loss_agg="token-mean", num_iterations=2, bias_corrected_kl=False, clip_low=0.05, clip_high=0.1),
-    dict(loss_agg="seq-mean-token-mean", num_iterations=2, clip_low=0.05, clip_high=0.1),
-], ids=["seq-mean-token-mean", "token-mean", "sum-norm", "mu2-paper-k3", "mu2-bias-corrected"])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(loss_agg="seq-mean-token-mean"),
+        dict(loss_agg="token-mean"),
+        dict(loss_agg="seq-mean-token-sum-norm"),
+        dict(loss_agg="token-mean", num_iterations=2, bias_corrected_kl=False, clip_low=0.05, clip_high=0.1),
+        dict(loss_agg="seq-mean-token-mean", num_iterations=2, clip_low=0.05, clip_high=0.1),
+    ],
+    ids=["seq-mean-token-mean", "token-mean", "sum-norm", "mu2-paper-k3", "mu2-bias-corrected"],
+)
 def test_grpo_gradient_over_micro_batches_is_the_whole_batch_loss_gradient(flags, tmp_path, clipped):
     """Step 2 (the policy has moved from the reference, so the KL term has a gradient), 12 completions in
     micro-batches of 5, 5 and 2; with --num-iterations 2 the second iteration, whose ratios are not 1."""
-    args = grpo.Args(seed=2, num_steps=2, prompts_per_step=3, group_size=4, max_new_tokens=4, beta=0.5,
-                     learning_rate=3e-2, micro_batch_size=5, sample_every=0, output_dir=str(tmp_path / "runs"),
-                     dump_dir=str(tmp_path / "dump"), **flags)  # fmt: skip
+    args = grpo.Args(
+        seed=2,
+        num_steps=2,
+        prompts_per_step=3,
+        group_size=4,
+        max_new_tokens=4,
+        beta=0.5,
+        learning_rate=3e-2,
+        micro_batch_size=5,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+        **flags,
+    )
     grpo.main(args)
     d = load_file(str(tmp_path / "dump" / "step000002.safetensors"))
     mu = args.num_iterations
@@ -149,10 +166,12 @@ def ppo_row_gradients(policy, critic, old_policy, old_critic, d, args, stats):
         v = 0.5 * torch.maximum((values - R) ** 2, (clipped_values - R) ** 2)
         (pg + args.vf_coef * v).sum().backward()
         moved, value_clipped = (values - old_values).detach(), ((clipped_values - R) ** 2 > (values - R) ** 2)
-        stats.update(above=stats["above"] or bool(((ratio > 1 + args.clip_high) & (A > 0)).any()),
-                     below=stats["below"] or bool(((ratio < 1 - args.clip_low) & (A < 0)).any()),
-                     v_up=stats["v_up"] or bool((value_clipped & (moved > c)).any()),
-                     v_down=stats["v_down"] or bool((value_clipped & (moved < -c)).any()))
+        stats.update(
+            above=stats["above"] or bool(((ratio > 1 + args.clip_high) & (A > 0)).any()),
+            below=stats["below"] or bool(((ratio < 1 - args.clip_low) & (A < 0)).any()),
+            v_up=stats["v_up"] or bool((value_clipped & (moved > c)).any()),
+            v_down=stats["v_down"] or bool((value_clipped & (moved < -c)).any()),
+        )
         parameters = [*policy.parameters(), *critic.parameters()]
         grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in parameters]
         out.append((flat(grads), T))
@@ -166,13 +185,31 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     permutations, randperm = [], torch.randperm
     monkeypatch.setattr(torch, "randperm", lambda *a, **k: permutations.append(randperm(*a, **k)) or permutations[-1])
     reward = tmp_path / "signs.py"  # returns of both signs, so values move up and down towards them
-    reward.write_text('EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
-                      "def reward(prompt, completion, answer):\n"
-                      "    return 0.5 if ord((completion or 'a')[0]) % 2 else -0.5\n")
-    args = ppo.Args(seed=4, num_steps=1, prompts_per_step=6, max_new_tokens=4, update_epochs=2, num_minibatches=3,
-                    micro_batch_size=1, learning_rate=3e-2, critic_learning_rate=1e-3, clip_low=0.02, clip_high=0.03,
-                    cliprange_value=0.01, vf_coef=0.5, missing_eos_penalty=0.0, task=f"python:{reward}:reward",
-                    sample_every=0, output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump"))  # fmt: skip
+    reward.write_text(
+        'EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
+        "def reward(prompt, completion, answer):\n"
+        "    return 0.5 if ord((completion or 'a')[0]) % 2 else -0.5\n"
+    )
+    args = ppo.Args(
+        seed=4,
+        num_steps=1,
+        prompts_per_step=6,
+        max_new_tokens=4,
+        update_epochs=2,
+        num_minibatches=3,
+        micro_batch_size=1,
+        learning_rate=3e-2,
+        critic_learning_rate=1e-3,
+        clip_low=0.02,
+        clip_high=0.03,
+        cliprange_value=0.01,
+        vf_coef=0.5,
+        missing_eos_penalty=0.0,
+        task=f"python:{reward}:reward",
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+    )
     ppo.main(args)
     d = load_file(str(tmp_path / "dump" / "step000001.safetensors"))
     policy = models.load_causal_lm(args.model, CPU)
@@ -183,8 +220,12 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     assert len(epochs) == args.update_epochs and len(updates) == args.update_epochs * args.num_minibatches
     pairs = [tuple(sorted(perm[i : i + 2])) for perm in epochs for i in (0, 2, 4)]
     assert {frozenset(p) for p in pairs[:3]} != {frozenset(p) for p in pairs[3:]}, f"both epochs drew {pairs[:3]}"
-    make = lambda weights: (with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),  # noqa: E731
-                            with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]))
+    make = (
+        lambda weights: (
+            with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),  # noqa: E731
+            with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]),
+        )
+    )
     old_policy, old_critic = make(updates[0][0])
     stats = dict(above=False, below=False, v_up=False, v_down=False)
     for (weights, applied), pair in zip(updates, pairs):

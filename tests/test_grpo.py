@@ -51,7 +51,15 @@ def test_all_equal_group_gets_exactly_zero_advantage(scale):
 
 
 def quick_args(tmp_path, **overrides):
-    args = dict(seed=1, num_steps=2, prompts_per_step=2, group_size=3, max_new_tokens=4, sample_every=0, output_dir=str(tmp_path))
+    args = dict(
+        seed=1,
+        num_steps=2,
+        prompts_per_step=2,
+        group_size=3,
+        max_new_tokens=4,
+        sample_every=0,
+        output_dir=str(tmp_path),
+    )
     args.update(overrides)
     return grpo.Args(**args)
 
@@ -77,10 +85,18 @@ def test_variants_run(tmp_path):
     """
     beta = 0.1
     args = quick_args(
-        tmp_path, beta=beta, bias_corrected_kl=False, num_iterations=2, importance_level="sequence", micro_batch_size=4,
+        tmp_path,
+        beta=beta,
+        bias_corrected_kl=False,
+        num_iterations=2,
+        importance_level="sequence",
+        micro_batch_size=4,
         loss_agg="token-mean",
-        scale_rewards="batch", clip_high=0.28, learning_rate=1e-2, dump_dir=str(tmp_path / "dump"),
-    )  # fmt: skip
+        scale_rewards="batch",
+        clip_high=0.28,
+        learning_rate=1e-2,
+        dump_dir=str(tmp_path / "dump"),
+    )
     rewards = grpo.main(args)
     assert len(rewards) == 2
     for step, reward in zip((1, 2), rewards):
@@ -96,7 +112,9 @@ def test_variants_run(tmp_path):
             ratio = math.exp(sum((new[row] - old[row])[real].tolist()) / int(real.sum()))
             a = adv[row].item()
             expected = max(-a * ratio, -a * min(max(ratio, 0.8), 1.28))
-            torch.testing.assert_close(surrogate[row][real], torch.full((int(real.sum()),), expected), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                surrogate[row][real], torch.full((int(real.sum()),), expected), rtol=0, atol=1e-5
+            )
 
 
 @pytest.mark.slow
@@ -106,10 +124,19 @@ def test_training_improves_reward(tmp_path):
     # The settings are pinned, not the defaults, so retuned defaults cannot void the measured margin.
     num_steps = 200
     args = grpo.Args(
-        seed=1, num_steps=num_steps, prompts_per_step=16, group_size=8, max_new_tokens=5, learning_rate=5e-4,
-        beta=0.08, bias_corrected_kl=True, scale_rewards="batch", micro_batch_size=128, output_dir=str(tmp_path),
+        seed=1,
+        num_steps=num_steps,
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=5,
+        learning_rate=5e-4,
+        beta=0.08,
+        bias_corrected_kl=True,
+        scale_rewards="batch",
+        micro_batch_size=128,
+        output_dir=str(tmp_path),
         sample_every=0,
-    )  # fmt: skip
+    )
     rewards = grpo.main(args)
     assert len(rewards) == num_steps
     n = num_steps // 10
@@ -127,13 +154,22 @@ def test_the_bias_corrected_kl_gradient_is_unbiased_with_token_ratios_only(impor
 
     theta = torch.tensor([[0.3, -1.0, 0.5], [1.2, 0.0, -0.4]], requires_grad=True)  # [T, V] logits
     ref = torch.log_softmax(torch.tensor([[0.0, 0.5, -0.5], [-1.0, 0.2, 0.9]]), -1)
-    args = types.SimpleNamespace(importance_level=importance_level, bias_corrected_kl=True, beta=1.0, clip_low=0.2,
-                                 clip_high=0.2, loss_agg="seq-mean-token-sum-norm", max_new_tokens=1)  # fmt: skip
+    args = types.SimpleNamespace(
+        importance_level=importance_level,
+        bias_corrected_kl=True,
+        beta=1.0,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="seq-mean-token-sum-norm",
+        max_new_tokens=1,
+    )
     logp = torch.log_softmax(theta, -1)
     expected = 0.0
     for y in itertools.product(range(3), repeat=2):
         new = logp[[0, 1], list(y)][None]  # [1, T]
-        loss, _ = grpo.grpo_loss(new, new.detach(), ref[[0, 1], list(y)][None], torch.zeros(1), torch.ones(1, 2), 1, 2, args)
+        loss, _ = grpo.grpo_loss(
+            new, new.detach(), ref[[0, 1], list(y)][None], torch.zeros(1), torch.ones(1, 2), 1, 2, args
+        )
         expected = expected + new.detach().sum().exp() * loss  # weighted by the old policy's probability
     (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
     (kl_grad,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)

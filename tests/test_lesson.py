@@ -17,8 +17,11 @@ def test_reached_is_the_first_step_whose_10_step_mean_gets_there():
 
 def test_summary_counts_completions_and_seconds_at_that_step():
     steps = 30
-    s = {"charts/score": [i / steps for i in range(steps)], "perf/rollout_seconds": [float(i) for i in range(1, steps + 1)],
-         "perf/train_seconds": [2.0 * i for i in range(1, steps + 1)]}  # fmt: skip
+    s = {
+        "charts/score": [i / steps for i in range(steps)],
+        "perf/rollout_seconds": [float(i) for i in range(1, steps + 1)],
+        "perf/train_seconds": [2.0 * i for i in range(1, steps + 1)],
+    }
     got = lesson.summary(s, "grpo-dense", 0.5)
     step = lesson.reached(s["charts/score"], 0.5)
     assert step == 21  # step k scores (k - 1) / 30: steps 11-20 average 0.483, steps 12-21 0.517

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_small_model
 
 import common
 import grpo
 import ppo
-from conftest import make_small_model
 
 PAD = 0
 
@@ -58,7 +58,9 @@ def test_token_logprobs_match_full_softmax(small_model, temperature):
         logp, entropy = common.token_logprobs(
             small_model, input_ids, attention_mask, completion_mask, temperature, return_entropy=True
         )
-        expected_logp, expected_entropy = plain_logprobs(small_model, input_ids, attention_mask, completion_mask, temperature)
+        expected_logp, expected_entropy = plain_logprobs(
+            small_model, input_ids, attention_mask, completion_mask, temperature
+        )
     torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
     assert (logp[completion_mask == 0] == 0).all() and (entropy[completion_mask == 0] == 0).all()
@@ -102,7 +104,10 @@ def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer
 
     prompts = [p for p in ("12+7=", "3=", "456+1=") for _ in range(4)]
     ids, mask = common.encode_prompts(tiny_tokenizer, prompts).values()
-    assert prompt_cache.shared_prompt_cache(tiny_model, ids, mask, common.position_ids_from_mask(mask), ids.shape[1]) is not None
+    assert (
+        prompt_cache.shared_prompt_cache(tiny_model, ids, mask, common.position_ids_from_mask(mask), ids.shape[1])
+        is not None
+    )
     torch.manual_seed(0)
     shared = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
     every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))  # noqa: E731
@@ -130,7 +135,9 @@ def test_left_padding_does_not_change_a_row(small_model):
         rows = []
         for n_pads in (0, 1, 4):
             input_ids = torch.cat([torch.full((1, n_pads), PAD), prompt, completion], 1)
-            attention_mask = torch.cat([torch.zeros(1, n_pads, dtype=torch.long), torch.ones_like(prompt), completion_mask], 1)
+            attention_mask = torch.cat(
+                [torch.zeros(1, n_pads, dtype=torch.long), torch.ones_like(prompt), completion_mask], 1
+            )
             rows.append(common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 1.0))
     torch.testing.assert_close(rows[1], rows[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rows[2], rows[0], atol=1e-5, rtol=1e-5)
@@ -150,12 +157,13 @@ def test_small_chunks_give_the_same_values_and_gradients(small_model):
     )
     for chunk_tokens in (1, 4, 1024):
         logp, grads = values_and_grads(
-            lambda: common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7, chunk_tokens=chunk_tokens)
+            lambda: common.token_logprobs(
+                small_model, input_ids, attention_mask, completion_mask, 0.7, chunk_tokens=chunk_tokens
+            )
         )
         torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
         for g, eg in zip(grads, expected_grads):
             assert_grad_close(g, eg)
-
 
 
 def test_entropy_gradient_matches_full_softmax(small_model):
@@ -168,12 +176,21 @@ def test_entropy_gradient_matches_full_softmax(small_model):
     expected = torch.autograd.grad((plain_entropy * weights).sum(), params)
     assert max(g.abs().max().item() for g in expected) > 1e-3  # an entropy that the weights move
     for chunk_tokens in (1, 4, 1024):
-        _, entropy = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7,
-                                           chunk_tokens, return_entropy=True, entropy_grad=True)
+        _, entropy = common.token_logprobs(
+            small_model,
+            input_ids,
+            attention_mask,
+            completion_mask,
+            0.7,
+            chunk_tokens,
+            return_entropy=True,
+            entropy_grad=True,
+        )
         for g, eg in zip(torch.autograd.grad((entropy * weights).sum(), params), expected):
             assert_grad_close(g, eg)
-    _, constant = common.token_logprobs(small_model, input_ids, attention_mask, completion_mask, 0.7,
-                                        return_entropy=True)
+    _, constant = common.token_logprobs(
+        small_model, input_ids, attention_mask, completion_mask, 0.7, return_entropy=True
+    )
     assert not constant.requires_grad
 
 
@@ -182,10 +199,20 @@ def test_token_logprobs_with_final_logit_softcapping(temperature):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     config = Gemma2Config(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, initializer_range=0.5, final_logit_softcapping=2.0,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.5,
+        final_logit_softcapping=2.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).eval()
     input_ids, attention_mask, completion_mask = ragged_batch()
@@ -241,7 +268,9 @@ def test_micro_batches_give_the_one_batch_gradient(agg):
         return grpo.aggregate_loss(per_token, mask[mb], agg, N, num_tokens, max_new_tokens), per_token, logratio
 
     one_batch, per_token, logratio = loss_of(slice(0, 6))
-    assert one_batch.item() == pytest.approx(one_batch_reference_loss(per_token.tolist(), mask, agg, max_new_tokens), rel=1e-5)
+    assert one_batch.item() == pytest.approx(
+        one_batch_reference_loss(per_token.tolist(), mask, agg, max_new_tokens), rel=1e-5
+    )
     assert 0 < common.clip_fraction(logratio, advantages[:, None], 0.2, 0.28, mask) < 1  # the clip acts on some tokens
     expected_grads = torch.autograd.grad(one_batch, params)
     for split in ([slice(0, 2), slice(2, 6)], [slice(0, 3), slice(3, 6)], [slice(i, i + 1) for i in range(6)]):
@@ -259,13 +288,24 @@ def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
     small, _, _ = grouped_batch()  # 6 rows x 9 tokens
     large = torch.zeros(256, 256, dtype=torch.long)  # 256 x 4 heads x 256^2 > PLAIN_ATTENTION_MAX
     seen = []
-    for dtype, ids, new_tokens in ((torch.bfloat16, small, 16), (torch.float32, small, 16), (torch.bfloat16, large, 0),
-                                   (torch.bfloat16, small, 1000)):  # fmt: skip
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), common.decoding_attention(model, ids, new_tokens):
+    for dtype, ids, new_tokens in (
+        (torch.bfloat16, small, 16),
+        (torch.float32, small, 16),
+        (torch.bfloat16, large, 0),
+        (torch.bfloat16, small, 1000),
+    ):
+        with (
+            torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
+            common.decoding_attention(model, ids, new_tokens),
+        ):
             seen.append(model.config._attn_implementation)
         assert model.config._attn_implementation == "sdpa"
     assert seen == ["eager", "sdpa", "sdpa", "sdpa"]
-    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16), common.decoding_attention(model, small, 16):
+    with (
+        pytest.raises(RuntimeError),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        common.decoding_attention(model, small, 16),
+    ):
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"
 
@@ -282,8 +322,12 @@ def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_r
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         whole = common.token_logprobs(model, input_ids, attention_mask, completion_mask, 0.7)
         ref = common.token_logprobs(reference, input_ids, attention_mask, completion_mask, 0.7)
-        rows = [common.token_logprobs(model, input_ids[i : i + 3], attention_mask[i : i + 3], completion_mask[i : i + 3], 0.7)
-                for i in (0, 3)]  # fmt: skip
+        rows = [
+            common.token_logprobs(
+                model, input_ids[i : i + 3], attention_mask[i : i + 3], completion_mask[i : i + 3], 0.7
+            )
+            for i in (0, 3)
+        ]
     assert torch.equal(whole, ref)
     torch.testing.assert_close(torch.cat(rows), whole, atol=0, rtol=0)
 

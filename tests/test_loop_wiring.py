@@ -10,12 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from machinery import bookkeeping
 import common
-from machinery import dumps
-from machinery import errors
 import grpo
 import ppo
+from machinery import bookkeeping, dumps, errors
 
 EOS = 1  # the tiny tokenizer's <eos>
 
@@ -35,9 +33,14 @@ def logged_scalars(run_dir):
 
 @pytest.mark.parametrize(
     "kl, expected",
-    [(6.6, 0.1 * (1 + 0.1 * 0.5)), (5.1, 0.1 * (1 - 0.15 * 0.5)), (7.2, 0.1 * (1 + 0.2 * 0.5)),
-     (60.0, 0.1 * 1.1), (0.0, 0.1 * 0.9)],
-)  # fmt: skip
+    [
+        (6.6, 0.1 * (1 + 0.1 * 0.5)),
+        (5.1, 0.1 * (1 - 0.15 * 0.5)),
+        (7.2, 0.1 * (1 + 0.2 * 0.5)),
+        (60.0, 0.1 * 1.1),
+        (0.0, 0.1 * 0.9),
+    ],
+)
 def test_adaptive_kl_coef_between_its_clips(kl, expected):
     """error = clip(kl / target - 1, -0.2, 0.2); kl_coef * (1 + error * n / horizon), with n / horizon = 0.5 so
     a wrong clip bound, a sign or an inverted ratio shows. Guards the proportional part, not only the clips."""
@@ -62,9 +65,22 @@ def summed_kl_per_completion(d):
 
 
 def run_ppo_with_target(tmp_path, target_kl):
-    fields = dict(seed=3, num_steps=3, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=6, learning_rate=3e-2,
-                  kl_coef=0.05, kl_estimator="k3", target_kl=target_kl, kl_horizon=20, num_minibatches=2, sample_every=0,
-                  output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump"))  # fmt: skip
+    fields = dict(
+        seed=3,
+        num_steps=3,
+        prompts_per_step=4,
+        samples_per_prompt=2,
+        max_new_tokens=6,
+        learning_rate=3e-2,
+        kl_coef=0.05,
+        kl_estimator="k3",
+        target_kl=target_kl,
+        kl_horizon=20,
+        num_minibatches=2,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+    )
     ppo.main(ppo.Args(**fields))
     (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
     dumps = [load_file(str(tmp_path / "dump" / f"step{s:06d}.safetensors")) for s in (1, 2, 3)]
@@ -154,8 +170,15 @@ def test_logged_learning_rate_is_the_one_the_step_used(script, tmp_path, monkeyp
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    args = SCRIPTS[script].Args(seed=1, num_steps=3, learning_rate=1e-3, warmup_steps=3, sample_every=0,
-                                output_dir=str(tmp_path), **QUICK[script])  # fmt: skip
+    args = SCRIPTS[script].Args(
+        seed=1,
+        num_steps=3,
+        learning_rate=1e-3,
+        warmup_steps=3,
+        sample_every=0,
+        output_dir=str(tmp_path),
+        **QUICK[script],
+    )
     SCRIPTS[script].main(args)
     per_step = len(used) // 3
     assert used[::per_step] == pytest.approx([1e-3 * s / 4 for s in (1, 2, 3)])  # what the updates used
@@ -210,8 +233,16 @@ def test_perf_seconds_are_cumulative_per_phase_and_tokens_per_second_over_both(m
 
 def test_dump_metadata_holds_the_resolved_args(tmp_path):
     """metadata.json holds the Args as the run used them (the preset applied), so a verifier needs nothing else."""
-    grpo.main(grpo.Args(seed=1, num_steps=1, sample_every=0, output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "d"),
-                        **QUICK["grpo"]))  # fmt: skip
+    grpo.main(
+        grpo.Args(
+            seed=1,
+            num_steps=1,
+            sample_every=0,
+            output_dir=str(tmp_path / "runs"),
+            dump_dir=str(tmp_path / "d"),
+            **QUICK["grpo"],
+        )
+    )
     meta = json.load(open(tmp_path / "d" / "metadata.json"))
     assert meta["script"] == "grpo"
     assert meta["args"]["beta"] == grpo.Args.beta and meta["args"]["group_size"] == 3

@@ -11,20 +11,30 @@ from safetensors.torch import load_file
 
 pytest.importorskip("peft", reason="peft is not installed (pip install -r requirements/lora.txt)")
 
-from machinery import checkpoints  # noqa: E402
 import common  # noqa: E402
 import grpo  # noqa: E402
-from machinery import lora  # noqa: E402
-from machinery import models  # noqa: E402
 import ppo  # noqa: E402
+from machinery import (
+    checkpoints,  # noqa: E402
+    lora,  # noqa: E402
+    models,  # noqa: E402
+)
 from machinery.errors import UsageError  # noqa: E402
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
 
 def lora_args(script, tmp_path, **overrides):
-    args = dict(seed=1, num_steps=1, prompts_per_step=4, max_new_tokens=4, sample_every=0,
-                output_dir=str(tmp_path / "runs"), lora_rank=4, learning_rate=1e-2)  # fmt: skip
+    args = dict(
+        seed=1,
+        num_steps=1,
+        prompts_per_step=4,
+        max_new_tokens=4,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        lora_rank=4,
+        learning_rate=1e-2,
+    )
     args.update(dict(group_size=4) if script == "grpo" else dict(samples_per_prompt=1, num_minibatches=2))
     args.update(overrides)
     return SCRIPTS[script].Args(**args)
@@ -82,8 +92,14 @@ def test_saved_adapters_and_merged_model_are_the_last_policy(script, tmp_path, m
 
     last = {}
     save_model = checkpoints.save_model
-    monkeypatch.setattr(checkpoints, "save_model", lambda model, tokenizer, folder, **kw: (
-        last.setdefault(os.path.basename(folder), copy.deepcopy(model)), save_model(model, tokenizer, folder, **kw))[1])
+    monkeypatch.setattr(
+        checkpoints,
+        "save_model",
+        lambda model, tokenizer, folder, **kw: (
+            last.setdefault(os.path.basename(folder), copy.deepcopy(model)),
+            save_model(model, tokenizer, folder, **kw),
+        )[1],
+    )
     SCRIPTS[script].main(lora_args(script, tmp_path, num_steps=3, lora_merged=True, dump_dir=str(tmp_path / "dump")))
     (final,) = glob.glob(str(tmp_path / "runs" / "*" / "final"))
     d = dumped(tmp_path / "dump")[-1]
@@ -112,8 +128,9 @@ def test_resume_continues_bit_exactly(script, tmp_path):
     for name in files:
         a, b = load_file(os.path.join(straight, name)), load_file(os.path.join(resumed, name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = (torch.load(os.path.join(f, "state.pt"), weights_only=False)["optimizer"]["state"]
-            for f in (straight, resumed))
+    a, b = (
+        torch.load(os.path.join(f, "state.pt"), weights_only=False)["optimizer"]["state"] for f in (straight, resumed)
+    )
     assert a.keys() == b.keys() and len(a) > 0
     for index in a:
         assert all(torch.equal(a[index][k], b[index][k]) for k in a[index])
@@ -122,8 +139,11 @@ def test_resume_continues_bit_exactly(script, tmp_path):
 def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     """PPO's critic: its own adapters on its own copy of the base, both frozen; no tensor shared with the policy."""
     seen = {}
-    monkeypatch.setattr(checkpoints, "save_model",
-                        lambda model, tokenizer, folder, **kw: seen.setdefault(os.path.basename(folder), model))
+    monkeypatch.setattr(
+        checkpoints,
+        "save_model",
+        lambda model, tokenizer, folder, **kw: seen.setdefault(os.path.basename(folder), model),
+    )
     ppo.main(lora_args("ppo", tmp_path, num_steps=2))
     policy, critic = seen["final"], seen["critic"]
     trained = {name for name, p in critic.named_parameters() if p.requires_grad}
@@ -131,8 +151,11 @@ def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     assert all("lora_" in name for name, p in policy.named_parameters() if p.requires_grad)
     assert not {p.data_ptr() for p in policy.parameters()} & {p.data_ptr() for p in critic.parameters()}
     base = models.load_backbone(models.TINY_MODEL, models.CPU).state_dict()
-    frozen = {k.removeprefix("backbone.").replace(".base_layer", ""): v
-              for k, v in critic.state_dict().items() if "lora_" not in k}
+    frozen = {
+        k.removeprefix("backbone.").replace(".base_layer", ""): v
+        for k, v in critic.state_dict().items()
+        if "lora_" not in k
+    }
     assert all(torch.equal(base[k], frozen[k]) for k in base)
 
 
@@ -142,14 +165,20 @@ def one_line(excinfo):
     return message
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(lora_rank=-1), "--lora-rank is -1: it must be a positive integer"),
-    (dict(lora_alpha=0.0), "--lora-alpha is 0.0: it must be > 0"),
-    (dict(lora_dropout=1.0), "--lora-dropout is 1.0: it must be in"),
-    (dict(lora_rank=0, lora_merged=True), "--lora-merged .* needs --lora-rank above 0"),
-    (dict(lora_target_modules=("qkv_proj",)), "--lora-target-modules qkv_proj: peft cannot adapt .*q_proj"),
-    (dict(lora_target_modules=("input_layernorm",)), "--lora-target-modules input_layernorm: peft cannot .*not supported"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(lora_rank=-1), "--lora-rank is -1: it must be a positive integer"),
+        (dict(lora_alpha=0.0), "--lora-alpha is 0.0: it must be > 0"),
+        (dict(lora_dropout=1.0), "--lora-dropout is 1.0: it must be in"),
+        (dict(lora_rank=0, lora_merged=True), "--lora-merged .* needs --lora-rank above 0"),
+        (dict(lora_target_modules=("qkv_proj",)), "--lora-target-modules qkv_proj: peft cannot adapt .*q_proj"),
+        (
+            dict(lora_target_modules=("input_layernorm",)),
+            "--lora-target-modules input_layernorm: peft cannot .*not supported",
+        ),
+    ],
+)
 def test_bad_lora_flags_get_one_line(overrides, expected, tmp_path):
     with pytest.raises(UsageError, match=expected) as excinfo:
         grpo.main(lora_args("grpo", tmp_path, **overrides))
@@ -187,7 +216,9 @@ def test_verify_against_self_passes_on_a_lora_dump(script, tmp_path, capsys):
     and replays it: every check passes, GRPO's update and weight checks on steps 2 and 3 included."""
     import verify
 
-    SCRIPTS[script].main(lora_args(script, tmp_path, num_steps=3 if script == "grpo" else 1, dump_dir=str(tmp_path / "d")))
+    SCRIPTS[script].main(
+        lora_args(script, tmp_path, num_steps=3 if script == "grpo" else 1, dump_dir=str(tmp_path / "d"))
+    )
     assert verify.main([str(tmp_path / "d"), "--against", "self"]) == 0
     table = capsys.readouterr().out
     assert "all checks that ran passed" in table and "| gradient |" in table

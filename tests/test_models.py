@@ -13,18 +13,25 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
 from transformers import (
-    AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-    BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
-)  # fmt: skip
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
-from machinery import bookkeeping
 import common
 import grpo
-from machinery import models
 import ppo
-from machinery import precision
+from machinery import bookkeeping, models, precision
 from machinery.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -43,7 +50,10 @@ def byte_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=SPECIALS[1:]
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -56,16 +66,24 @@ def char_tokenizer(chat_template=None):
     backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tokenizer.chat_template = chat_template
     return tokenizer
 
 
 def small_config(arch, vocab_size, **overrides):
     shape = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+    )
     shape.update(overrides)
     return {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch](**shape)
 
@@ -171,10 +189,19 @@ def test_encode_prompts_applies_the_chat_template_or_not(lm):
 @pytest.mark.parametrize("chat_template, system_prompt", [(True, None), (False, None), (True, "Be brief."), (True, "")])
 def test_grpo_feeds_the_template_to_the_model(qwen2_dir, jsonl_task, tmp_path, chat_template, system_prompt):
     args = grpo.Args(
-        model=qwen2_dir, task=jsonl_task, num_steps=1, max_new_tokens=4, prompts_per_step=2, group_size=2,
-        micro_batch_size=4, sample_every=0, chat_template=chat_template, output_dir=str(tmp_path / "runs"),
-        dump_dir=str(tmp_path / "dump"), system_prompt=system_prompt,
-    )  # fmt: skip
+        model=qwen2_dir,
+        task=jsonl_task,
+        num_steps=1,
+        max_new_tokens=4,
+        prompts_per_step=2,
+        group_size=2,
+        micro_batch_size=4,
+        sample_every=0,
+        chat_template=chat_template,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+        system_prompt=system_prompt,
+    )
     grpo.main(args)
     from safetensors.torch import load_file
 
@@ -183,7 +210,9 @@ def test_grpo_feeds_the_template_to_the_model(qwen2_dir, jsonl_task, tmp_path, c
     text = tokenizer.decode(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()])
     system = "" if system_prompt is None else f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
     if chat_template:
-        assert text.startswith(f"{system}<|im_start|>user\nWhat is ") and text.endswith("?<|im_end|>\n<|im_start|>assistant\n")
+        assert text.startswith(f"{system}<|im_start|>user\nWhat is ") and text.endswith(
+            "?<|im_end|>\n<|im_start|>assistant\n"
+        )
     else:
         assert text.startswith("What is ") and text.endswith("?") and "<|im_start|>" not in text
 
@@ -194,13 +223,23 @@ def test_a_system_prompt_is_counted_and_one_the_template_refuses_is_named(tmp_pa
     tokenizer = byte_tokenizer()
     plain = models.token_counts(tokenizer, ["What is 1 plus 2?"], chat_template=True)[0]
     tokenizer.system_prompt = "Be brief."
-    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], True)[0] == plain + len(tokenizer("<|im_start|>system\nBe brief.<|im_end|>\n")["input_ids"])
-    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], False)[0] == len(tokenizer("What is 1 plus 2?")["input_ids"])
-    tokenizer.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}x"
-    with pytest.raises(UsageError, match=r"takes no system prompt \(TemplateError: System role not supported\): drop --system-prompt"):
+    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], True)[0] == plain + len(
+        tokenizer("<|im_start|>system\nBe brief.<|im_end|>\n")["input_ids"]
+    )
+    assert models.token_counts(tokenizer, ["What is 1 plus 2?"], False)[0] == len(
+        tokenizer("What is 1 plus 2?")["input_ids"]
+    )
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}x"
+    )
+    with pytest.raises(
+        UsageError, match=r"takes no system prompt \(TemplateError: System role not supported\): drop --system-prompt"
+    ):
         common.encode_prompts(tokenizer, ["What is 1 plus 2?"])
     tokenizer.system_prompt = None
-    assert common.encode_prompts(tokenizer, ["What is 1 plus 2?"])["input_ids"].tolist() == [tokenizer("x")["input_ids"]]
+    assert common.encode_prompts(tokenizer, ["What is 1 plus 2?"])["input_ids"].tolist() == [
+        tokenizer("x")["input_ids"]
+    ]
 
 
 def test_system_prompt_flag_parses_empty_and_text(monkeypatch):
@@ -217,9 +256,16 @@ def test_system_prompt_flag_parses_empty_and_text(monkeypatch):
 def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task, tmp_path):
     folder, _, _ = lm
     args = grpo.Args(
-        model=folder, task=jsonl_task, num_steps=2, max_new_tokens=4, prompts_per_step=2, group_size=2,
-        micro_batch_size=4, sample_every=0, output_dir=str(tmp_path),
-    )  # fmt: skip
+        model=folder,
+        task=jsonl_task,
+        num_steps=2,
+        max_new_tokens=4,
+        prompts_per_step=2,
+        group_size=2,
+        micro_batch_size=4,
+        sample_every=0,
+        output_dir=str(tmp_path),
+    )
     rewards = grpo.main(args)
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards)
     assert args.learning_rate == grpo.HUB_DEFAULTS["learning_rate"]  # a model other than tiny gets the hub preset
@@ -236,9 +282,18 @@ def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task
 def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_path):
     folder, _, tokenizer = lm
     args = ppo.Args(
-        model=folder, task=jsonl_task, num_steps=2, max_new_tokens=4, prompts_per_step=2, samples_per_prompt=2,
-        micro_batch_size=4, update_epochs=1, num_minibatches=2, sample_every=0, output_dir=str(tmp_path),
-    )  # fmt: skip
+        model=folder,
+        task=jsonl_task,
+        num_steps=2,
+        max_new_tokens=4,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        micro_batch_size=4,
+        update_epochs=1,
+        num_minibatches=2,
+        sample_every=0,
+        output_dir=str(tmp_path),
+    )
     scores = ppo.main(args)
     assert len(scores) == 2
     assert args.kl_coef == ppo.HUB_DEFAULTS["kl_coef"]
@@ -261,14 +316,37 @@ def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_pa
 
 DROPOUT_CONFIGS = {
     "qwen2-attention_dropout": lambda: small_config("qwen2", 64, attention_dropout=0.5, pad_token_id=0, eos_token_id=1),
-    "gpt2-pdrop": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                     resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, bos_token_id=None),
-    "gpt_neox-hidden_dropout": lambda: GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                    num_attention_heads=4, hidden_dropout=0.5, attention_dropout=0.5),
-    "bert-hidden_dropout_prob": lambda: BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                   num_attention_heads=4, is_decoder=True, hidden_dropout_prob=0.5,
-                                                   attention_probs_dropout_prob=0.5),
-}  # fmt: skip
+    "gpt2-pdrop": lambda: GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        attn_pdrop=0.5,
+        bos_token_id=None,
+    ),
+    "gpt_neox-hidden_dropout": lambda: GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_dropout=0.5,
+        attention_dropout=0.5,
+    ),
+    "bert-hidden_dropout_prob": lambda: BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        is_decoder=True,
+        hidden_dropout_prob=0.5,
+        attention_probs_dropout_prob=0.5,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", DROPOUT_CONFIGS)
@@ -284,7 +362,9 @@ def test_load_pretrained_turns_dropout_off(name, tmp_path):
     model = models.load_pretrained(AutoModelForCausalLM, str(tmp_path), CPU).train()
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert all(v == 0 for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, float))
-    torch.testing.assert_close(model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0
+    )
     if not name.startswith("bert"):  # the PPO ratio of two train-mode passes is exactly 1
         completion_mask = torch.ones(2, 4, dtype=torch.long)
         logp = common.token_logprobs(model, ids, mask, completion_mask, 1.0)
@@ -345,9 +425,17 @@ def test_grpo_runs_with_a_reward_model(qwen2_dir, jsonl_task, models_dir, tmp_pa
     folder = str(models_dir / "reward-for-grpo")
     save_reward_model(folder)
     args = grpo.Args(
-        model=qwen2_dir, task=jsonl_task, reward_model=folder, num_steps=2, max_new_tokens=4, prompts_per_step=2,
-        group_size=2, micro_batch_size=4, sample_every=0, output_dir=str(tmp_path),
-    )  # fmt: skip
+        model=qwen2_dir,
+        task=jsonl_task,
+        reward_model=folder,
+        num_steps=2,
+        max_new_tokens=4,
+        prompts_per_step=2,
+        group_size=2,
+        micro_batch_size=4,
+        sample_every=0,
+        output_dir=str(tmp_path),
+    )
     rewards = grpo.main(args)
     assert len(rewards) == 2 and all(math.isfinite(r) for r in rewards)
     assert not set(rewards) <= {0.0, 1.0}  # scores of the reward model, not the task's exact-match reward
@@ -382,13 +470,13 @@ def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
     assert model.is_activation_checkpointing and all(checkpointing_flags(model)) and model.training
 
 
-REWARD_FILE = '''
+REWARD_FILE = """
 EXAMPLES = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
 
 
 def reward(prompt, completion, answer):
     return (sum(map(ord, completion)) % 7) / 7  # varies between completions, so the advantages are not 0
-'''
+"""
 
 
 def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
@@ -398,10 +486,18 @@ def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
     for checkpointing in (False, True):
         output_dir = tmp_path / f"runs-{checkpointing}"
         args = grpo.Args(
-            model=qwen2_dir, task=f"python:{reward_file}:reward", num_steps=2, max_new_tokens=4, prompts_per_step=2,
-            group_size=2, micro_batch_size=2, learning_rate=1e-3, sample_every=0, output_dir=str(output_dir),
+            model=qwen2_dir,
+            task=f"python:{reward_file}:reward",
+            num_steps=2,
+            max_new_tokens=4,
+            prompts_per_step=2,
+            group_size=2,
+            micro_batch_size=2,
+            learning_rate=1e-3,
+            sample_every=0,
+            output_dir=str(output_dir),
             gradient_checkpointing=checkpointing,
-        )  # fmt: skip
+        )
         assert len(grpo.main(args)) == 2
         finals.append(AutoModelForCausalLM.from_pretrained(os.path.join(run_dir_of(output_dir), "final")).state_dict())
     initial = AutoModelForCausalLM.from_pretrained(qwen2_dir).state_dict()
@@ -442,7 +538,9 @@ def test_critic_starts_from_the_policy_weights(lm):
     critic_model = ppo.load_critic(folder, CPU)
     critic = dict(critic_model.named_parameters())
     backbone = {name for name in critic if name.startswith("backbone.")}
-    assert {name.removeprefix("backbone.") for name in backbone} == {name.removeprefix("model.") for name in policy if name.startswith("model.")}
+    assert {name.removeprefix("backbone.") for name in backbone} == {
+        name.removeprefix("model.") for name in policy if name.startswith("model.")
+    }
     for name in backbone:
         policy_name = "model." + name.removeprefix("backbone.")
         assert torch.equal(critic[name], policy[policy_name]), name

@@ -25,7 +25,9 @@ def test_mutant_names_are_unique():
 def test_each_mutant_applies_once(mutant):
     with open(os.path.join(ROOT, mutant["file"]), encoding="utf-8") as f:
         count = f.read().count(mutant["find"])
-    assert count == 1, (f"mutant {mutant['name']}: its snippet occurs {count} times in {mutant['file']}: "
-                        "update `find` (and `replace`) in tests/mutants/mutants.py to the code as it is now")
+    assert count == 1, (
+        f"mutant {mutant['name']}: its snippet occurs {count} times in {mutant['file']}: "
+        "update `find` (and `replace`) in tests/mutants/mutants.py to the code as it is now"
+    )
     files = [arg.split("::")[0] for arg in mutant["tests"] if arg.endswith(".py") or "::" in arg]
     assert files and all(os.path.isfile(os.path.join(ROOT, f)) for f in files), mutant["tests"]

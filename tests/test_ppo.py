@@ -7,9 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from machinery import scoring
-from machinery import models
 import ppo
+from machinery import models, scoring
 
 
 def gae_by_loops(rewards, values, lengths, gamma, lam):
@@ -125,7 +124,9 @@ def test_kl_penalty_is_per_token_and_zero_when_policy_equals_reference():
     ref = torch.log(torch.tensor([[0.25, 0.2, 0.45]]))
     kl = ppo.kl_estimate(logp, ref, "k1")
     assert kl.shape == (1, 3)
-    torch.testing.assert_close(kl, torch.tensor([[torch.log(torch.tensor(2.0)).item(), 0.0, torch.log(torch.tensor(2.0)).item()]]))
+    torch.testing.assert_close(
+        kl, torch.tensor([[torch.log(torch.tensor(2.0)).item(), 0.0, torch.log(torch.tensor(2.0)).item()]])
+    )
 
 
 def test_whitening_ignores_masked_positions():
@@ -146,8 +147,12 @@ def test_explained_variance():
 
 
 def test_adaptive_kl_coef_moves_towards_target():
-    assert ppo.adaptive_kl_coef(0.1, kl=12.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1 * (1 + 0.2 * 0.01))
-    assert ppo.adaptive_kl_coef(0.1, kl=3.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1 * (1 - 0.2 * 0.01))
+    assert ppo.adaptive_kl_coef(0.1, kl=12.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(
+        0.1 * (1 + 0.2 * 0.01)
+    )
+    assert ppo.adaptive_kl_coef(0.1, kl=3.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(
+        0.1 * (1 - 0.2 * 0.01)
+    )
     assert ppo.adaptive_kl_coef(0.1, kl=6.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1)
 
 
@@ -202,9 +207,20 @@ def test_the_kl_controller_is_fed_the_summed_k1_whatever_the_estimator(tmp_path)
     coefficient in opposite directions."""
 
     def run(target_kl, num_steps, name):
-        ppo.main(ppo.Args(num_steps=num_steps, prompts_per_step=16, kl_coef=0.1, kl_estimator="k2", target_kl=target_kl,
-                          kl_horizon=16, learning_rate=1e-2, sample_every=0, output_dir=str(tmp_path / name / "r"),
-                          dump_dir=str(tmp_path / name / "dump")))  # fmt: skip
+        ppo.main(
+            ppo.Args(
+                num_steps=num_steps,
+                prompts_per_step=16,
+                kl_coef=0.1,
+                kl_estimator="k2",
+                target_kl=target_kl,
+                kl_horizon=16,
+                learning_rate=1e-2,
+                sample_every=0,
+                output_dir=str(tmp_path / name / "r"),
+                dump_dir=str(tmp_path / name / "dump"),
+            )
+        )
         return [load_file(tmp_path / name / "dump" / f"step{k:06d}.safetensors") for k in range(1, num_steps + 1)]
 
     step2 = run(1.0, 2, "probe")[1]
@@ -250,13 +266,20 @@ def test_each_models_gradient_is_clipped_to_max_grad_norm(monkeypatch, tmp_path)
     step = torch.optim.AdamW.step
 
     def recording_step(self, *args, **kwargs):
-        norms.append([torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in group["params"] if p.grad is not None]))
-                      .item() for group in self.param_groups])  # fmt: skip
+        norms.append(
+            [
+                torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in group["params"] if p.grad is not None])
+                ).item()
+                for group in self.param_groups
+            ]
+        )
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
-    ppo.main(ppo.Args(num_steps=1, prompts_per_step=8, max_grad_norm=1e-3, sample_every=0,
-                      output_dir=str(tmp_path / "runs")))  # fmt: skip
+    ppo.main(
+        ppo.Args(num_steps=1, prompts_per_step=8, max_grad_norm=1e-3, sample_every=0, output_dir=str(tmp_path / "runs"))
+    )
     assert len(norms) == 4 and all(len(groups) == 2 for groups in norms)  # 2 epochs x 2 minibatches; policy, critic
     assert all(norm <= 1e-3 * (1 + 1e-4) for groups in norms for norm in groups), norms
     assert max(max(groups) for groups in norms) > 0.5e-3  # the clip acted: the raw gradients were larger

@@ -18,13 +18,32 @@ def readme_snippet():
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--beta", "0.1", "--num-iterations", "2"], ["--importance-level", "sequence", "--loss-agg", "token-mean", "--num-iterations", "2"],
-     ["--bias-corrected-kl", "--beta", "0.1", "--num-iterations", "2"]],
+    [
+        [],
+        ["--beta", "0.1", "--num-iterations", "2"],
+        ["--importance-level", "sequence", "--loss-agg", "token-mean", "--num-iterations", "2"],
+        ["--bias-corrected-kl", "--beta", "0.1", "--num-iterations", "2"],
+    ],
 )
 def test_readme_verification_snippet_runs_on_a_real_dump(tmp_path, flags):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    run = [sys.executable, os.path.join(ROOT, "grpo.py"), "--num-steps", "1", "--prompts-per-step", "3",
-           "--group-size", "4", "--dump-dir", "dumps", "--output-dir", "runs", "--sample-every", "0", *flags]  # fmt: skip
+    run = [
+        sys.executable,
+        os.path.join(ROOT, "grpo.py"),
+        "--num-steps",
+        "1",
+        "--prompts-per-step",
+        "3",
+        "--group-size",
+        "4",
+        "--dump-dir",
+        "dumps",
+        "--output-dir",
+        "runs",
+        "--sample-every",
+        "0",
+        *flags,
+    ]
     subprocess.run(run, cwd=tmp_path, env=env, check=True, capture_output=True)
     (tmp_path / "verify.py").write_text(readme_snippet())
     out = subprocess.run([sys.executable, "verify.py"], cwd=tmp_path, env=env, capture_output=True, text=True)

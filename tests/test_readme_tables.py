@@ -44,8 +44,11 @@ def differences(readme, code, what):
     missing, extra = sorted(code.keys() - readme.keys()), sorted(readme.keys() - code.keys())
     lines = [f"README lacks the {what} row {name}: {code[name]}" for name in missing]
     lines += [f"README has a {what} row {name} that the code does not have: {readme[name]}" for name in extra]
-    lines += [f"{what} {name}: README says {readme[name]}, the code {code[name]}"
-              for name in sorted(readme.keys() & code.keys()) if readme[name] != code[name]]  # fmt: skip
+    lines += [
+        f"{what} {name}: README says {readme[name]}, the code {code[name]}"
+        for name in sorted(readme.keys() & code.keys())
+        if readme[name] != code[name]
+    ]
     return lines
 
 
@@ -70,13 +73,16 @@ def logged(tmp_path_factory):
     folder = tmp_path_factory.mktemp("logged")
     for script, module in SCRIPTS.items():
         names[script] = set()
+
         def record(self, tag, *args, _names=names[script], **kwargs):
             _names.add(tag)
             return add_scalar(self, tag, *args, **kwargs)
 
         SummaryWriter.add_scalar = record
         try:
-            module.main(module.Args(num_steps=1, prompts_per_step=4, eval_every=1, sample_every=0, output_dir=str(folder)))
+            module.main(
+                module.Args(num_steps=1, prompts_per_step=4, eval_every=1, sample_every=0, output_dir=str(folder))
+            )
         finally:
             SummaryWriter.add_scalar = add_scalar
     return names

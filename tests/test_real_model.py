@@ -53,7 +53,9 @@ def test_gguf_becomes_an_ordinary_float32_folder(folder):
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     # The embedding, dequantised independently by the gguf package, is the converted model's.
     (tensor,) = [t for t in GGUFReader(GGUF_FILE).tensors if t.name == "token_embd.weight"]
-    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(model.get_input_embeddings().weight.shape)
+    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(
+        model.get_input_embeddings().weight.shape
+    )
     torch.testing.assert_close(model.get_input_embeddings().weight.detach(), expected.float())
 
 
@@ -79,16 +81,30 @@ def train(script, tmp_path, **flags):
     import ppo
 
     module = {"grpo": grpo, "ppo": ppo}[script]
-    settings = dict(model=GGUF_FILE, task="addition", num_steps=2, prompts_per_step=2, max_new_tokens=4,
-                    save_every=1, sample_every=0, output_dir=str(tmp_path / script), **flags)  # fmt: skip
+    settings = dict(
+        model=GGUF_FILE,
+        task="addition",
+        num_steps=2,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        save_every=1,
+        sample_every=0,
+        output_dir=str(tmp_path / script),
+        **flags,
+    )
     # 4 tokens rarely hold an answer, and with every score 0 at step 1 (reference = policy, values 0) every
     # advantage is 0 and nothing moves. PPO: the missing-EOS penalty gives the truncated completions a reward;
     # GRPO: the same addition prompts, scored by the completion's length, so a group's two rewards differ.
     lengths = tmp_path / "lengths.py"
-    lengths.write_text("from tasks import load_task\nEXAMPLES = load_task('addition').train[:50]\n"
-                       "def reward(prompt, completion, answer):\n    return len(completion) / 100\n")
-    settings.update(dict(group_size=2, task=f"python:{lengths}:reward") if script == "grpo"
-                    else dict(num_minibatches=1, update_epochs=1, missing_eos_penalty=0.5))
+    lengths.write_text(
+        "from tasks import load_task\nEXAMPLES = load_task('addition').train[:50]\n"
+        "def reward(prompt, completion, answer):\n    return len(completion) / 100\n"
+    )
+    settings.update(
+        dict(group_size=2, task=f"python:{lengths}:reward")
+        if script == "grpo"
+        else dict(num_minibatches=1, update_epochs=1, missing_eos_penalty=0.5)
+    )
     args = module.Args(**settings)
     scores = module.main(args, flags_given=set(settings))
     (run_dir,) = glob.glob(str(tmp_path / script / "*"))
@@ -151,7 +167,9 @@ def test_an_unsupported_architecture_gets_one_line(tmp_path):
     message = str(error.value)
     assert "\n" not in message and "odd.gguf cannot be read by transformers' GGUF loader" in message, message
     assert "nosucharch" in message, message
-    assert not glob.glob(os.path.join(os.path.dirname(models.tiny_model_dir()), "gguf-odd-*")), "a failed conversion left a folder"
+    assert not glob.glob(os.path.join(os.path.dirname(models.tiny_model_dir()), "gguf-odd-*")), (
+        "a failed conversion left a folder"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,11 +177,23 @@ def test_an_unsupported_architecture_gets_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion, reward", [
-    ("75", 1.0), ("47 + 28 = 75", 1.0), ("The answer is 75.", 1.0), ("47 + 28 = 75\n", 1.0),
-    ("75 + 1 = 76", 0.0), ("74 75 76", 0.0), ("", 0.0), ("seventy-five", 0.0), ("7 5", 0.0), ("-75", 0.0),
-    ("x" * 99 + "75", 0.0), ("x" * 98 + "75", 1.0),  # the cap is on the whole completion: 100 characters
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("75", 1.0),
+        ("47 + 28 = 75", 1.0),
+        ("The answer is 75.", 1.0),
+        ("47 + 28 = 75\n", 1.0),
+        ("75 + 1 = 76", 0.0),
+        ("74 75 76", 0.0),
+        ("", 0.0),
+        ("seventy-five", 0.0),
+        ("7 5", 0.0),
+        ("-75", 0.0),
+        ("x" * 99 + "75", 0.0),
+        ("x" * 98 + "75", 1.0),  # the cap is on the whole completion: 100 characters
+    ],
+)
 def test_last_number_reward(completion, reward):
     from tasks.rewards import last_number_reward
 

@@ -25,13 +25,13 @@ import statistics
 
 import pytest
 import torch
+from conftest import make_small_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import grpo
-from machinery import models
 import ppo
-from conftest import make_small_model
+from machinery import models
 
 EOS = 1  # the tiny tokenizer's <eos>, and make_small_model's eos_token_id
 TEMPERATURE = 1.3
@@ -253,15 +253,33 @@ def check_rollout(d, rows, per_prompt, tokenizer):
 
 GRPO_VARIANTS = {
     # The paper: group std, per-sequence token mean, the k3 term, two updates per batch, uneven micro-batches.
-    "paper-mu2-kl": dict(scale_rewards="group", loss_agg="seq-mean-token-mean", beta=0.05, num_iterations=2,
-                         clip_low=0.2, clip_high=0.28, micro_batch_size=5, bias_corrected_kl=False),
+    "paper-mu2-kl": dict(
+        scale_rewards="group",
+        loss_agg="seq-mean-token-mean",
+        beta=0.05,
+        num_iterations=2,
+        clip_low=0.2,
+        clip_high=0.28,
+        micro_batch_size=5,
+        bias_corrected_kl=False,
+    ),
     # GSPO: one ratio per completion (the mean over its real tokens), a tight clip, token mean.
-    "gspo": dict(importance_level="sequence", scale_rewards="batch", loss_agg="token-mean", beta=0.0, num_iterations=2,
-                 clip_low=0.02, clip_high=0.03, micro_batch_size=4, learning_rate=3e-4),
+    "gspo": dict(
+        importance_level="sequence",
+        scale_rewards="batch",
+        loss_agg="token-mean",
+        beta=0.0,
+        num_iterations=2,
+        clip_low=0.02,
+        clip_high=0.03,
+        micro_batch_size=4,
+        learning_rate=3e-4,
+    ),
     # Dr. GRPO: no std, a constant normaliser; one update per batch (ratio 1); the default bias-corrected k3.
-    "dr-grpo": dict(scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.1, num_iterations=1,
-                    micro_batch_size=12),
-}  # fmt: skip
+    "dr-grpo": dict(
+        scale_rewards="none", loss_agg="seq-mean-token-sum-norm", beta=0.1, num_iterations=1, micro_batch_size=12
+    ),
+}
 
 
 def grpo_advantages(rewards, group_size, scale):
@@ -327,10 +345,22 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
     folder, task = sharp
     spy = Spy(monkeypatch)
     fields = dict(
-        model=folder, preset="tiny", task=task, seed=5, num_steps=2, prompts_per_step=3, group_size=4, max_new_tokens=6,
-        temperature=TEMPERATURE, learning_rate=1e-2, warmup_steps=1, max_grad_norm=0.5, sample_every=0,
-        output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump"),
-    )  # fmt: skip
+        model=folder,
+        preset="tiny",
+        task=task,
+        seed=5,
+        num_steps=2,
+        prompts_per_step=3,
+        group_size=4,
+        max_new_tokens=6,
+        temperature=TEMPERATURE,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        max_grad_norm=0.5,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+    )
     history = grpo.main(grpo.Args(**{**fields, **GRPO_VARIANTS[variant]}))
     monkeypatch.undo()
     run_dir, a = read_run(tmp_path)
@@ -422,19 +452,46 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
 
 PPO_VARIANTS = {
     # k2 penalty, missing-EOS penalty, gamma and lambda below 1, uneven micro-batches (3 + 1 per minibatch of 4).
-    "k2-eos-penalty": dict(kl_coef=0.1, kl_estimator="k2", missing_eos_penalty=0.3, gamma=0.9, lam=0.8, vf_coef=0.5,
-                           cliprange_value=0.05, micro_batch_size=3),
+    "k2-eos-penalty": dict(
+        kl_coef=0.1,
+        kl_estimator="k2",
+        missing_eos_penalty=0.3,
+        gamma=0.9,
+        lam=0.8,
+        vf_coef=0.5,
+        cliprange_value=0.05,
+        micro_batch_size=3,
+    ),
     # The adaptive controller (Ziegler et al. 2019) on the k1 penalty, with a short horizon so it moves.
     # One epoch of 4 minibatches of 2 rows (micro-batches of 4: one per minibatch).
-    "k1-target-kl": dict(kl_coef=0.05, kl_estimator="k1", target_kl=0.5, kl_horizon=40, missing_eos_penalty=0.0,
-                         gamma=1.0, lam=0.95, vf_coef=0.1, cliprange_value=0.2, micro_batch_size=4, update_epochs=1,
-                         num_minibatches=4),
+    "k1-target-kl": dict(
+        kl_coef=0.05,
+        kl_estimator="k1",
+        target_kl=0.5,
+        kl_horizon=40,
+        missing_eos_penalty=0.0,
+        gamma=1.0,
+        lam=0.95,
+        vf_coef=0.1,
+        cliprange_value=0.2,
+        micro_batch_size=4,
+        update_epochs=1,
+        num_minibatches=4,
+    ),
     # The entropy bonus in the loss (Schulman et al. 2017, eq. 9), with its gradient, over two micro-batches.
     "entropy-bonus": dict(ent_coef=0.5, micro_batch_size=2, max_grad_norm=0.02),
     # No reference model: no penalty at all. Three epochs of 2 minibatches.
-    "no-reference": dict(kl_coef=0.0, missing_eos_penalty=0.3, gamma=1.0, lam=1.0, vf_coef=0.2, cliprange_value=0.1,
-                         micro_batch_size=2, update_epochs=3),
-}  # fmt: skip
+    "no-reference": dict(
+        kl_coef=0.0,
+        missing_eos_penalty=0.3,
+        gamma=1.0,
+        lam=1.0,
+        vf_coef=0.2,
+        cliprange_value=0.1,
+        micro_batch_size=2,
+        update_epochs=3,
+    ),
+}
 
 
 class ReferenceCritic(torch.nn.Module):
@@ -482,8 +539,16 @@ def ppo_minibatch_loss(policy, critic, rows, idx, old, adv, values, returns, a):
         vloss = 0.5 * torch.maximum((new_values - returns[i]) ** 2, (v_clipped - returns[i]) ** 2)
         per_token.append(pg + a["vf_coef"] * vloss - a["ent_coef"] * entropy)  # the entropy bonus, eq. 9
         vclipped = ((new_values - values[i]).abs() > c).float()
-        for key, value in (("pg", pg), ("vloss", vloss), ("logratio", logratio), ("adv", adv[i]), ("entropy", entropy),
-                           ("vclipped", vclipped), ("logp", logp), ("values", new_values)):  # fmt: skip
+        for key, value in (
+            ("pg", pg),
+            ("vloss", vloss),
+            ("logratio", logratio),
+            ("adv", adv[i]),
+            ("entropy", entropy),
+            ("vclipped", vclipped),
+            ("logp", logp),
+            ("values", new_values),
+        ):
             pieces[key].append(value.detach())
     loss = sum(t.sum() for t in per_token) / sum(len(t) for t in per_token)
     return loss, per_token, pieces
@@ -495,11 +560,27 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
     folder, task = sharp
     spy = Spy(monkeypatch)
     fields = dict(
-        model=folder, preset="tiny", task=task, seed=4, num_steps=2, prompts_per_step=4, samples_per_prompt=2,
-        max_new_tokens=6, temperature=TEMPERATURE, learning_rate=3e-3, critic_learning_rate=1e-2, warmup_steps=1,
-        max_grad_norm=0.1, update_epochs=2, num_minibatches=2, clip_low=0.1, clip_high=0.15, sample_every=0,
-        output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump"),
-    )  # fmt: skip
+        model=folder,
+        preset="tiny",
+        task=task,
+        seed=4,
+        num_steps=2,
+        prompts_per_step=4,
+        samples_per_prompt=2,
+        max_new_tokens=6,
+        temperature=TEMPERATURE,
+        learning_rate=3e-3,
+        critic_learning_rate=1e-2,
+        warmup_steps=1,
+        max_grad_norm=0.1,
+        update_epochs=2,
+        num_minibatches=2,
+        clip_low=0.1,
+        clip_high=0.15,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+        dump_dir=str(tmp_path / "dump"),
+    )
     history = ppo.main(ppo.Args(**{**fields, **PPO_VARIANTS[variant]}))
     monkeypatch.undo()
     run_dir, a = read_run(tmp_path)
@@ -512,7 +593,9 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
     M = N // K
     assert len(spy.calls) == 2 * 2 * E * K, "two clips (policy, critic) per optimizer step"
     perms = [p.tolist() for p in spy.perms if len(p) == N]
-    assert len(perms) == 2 * E and all(sorted(p) == list(range(N)) for p in perms), "one permutation of the batch per epoch"
+    assert len(perms) == 2 * E and all(sorted(p) == list(range(N)) for p in perms), (
+        "one permutation of the batch per epoch"
+    )
     assert_params_close(spy.calls[0]["params"], list(reference.parameters()), "the first update starts from the model")
     adam = AdamW(len(spy.calls[0]["params"]) + len(spy.calls[1]["params"]), a.get("weight_decay", 0.01))
     scalars = logged_scalars(run_dir)
@@ -587,8 +670,10 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             stats["pg"].append(token_mean(pieces["pg"]))
             stats["vloss"].append(token_mean(pieces["vloss"]))
             stats["approx_kl"].append(approx_kl(pieces["logratio"]))
-            clipped = [((lr.exp() < 1 - a["clip_low"]) & (x < 0)) | ((lr.exp() > 1 + a["clip_high"]) & (x > 0))
-                       for lr, x in zip(pieces["logratio"], pieces["adv"])]  # fmt: skip
+            clipped = [
+                ((lr.exp() < 1 - a["clip_low"]) & (x < 0)) | ((lr.exp() > 1 + a["clip_high"]) & (x > 0))
+                for lr, x in zip(pieces["logratio"], pieces["adv"])
+            ]
             stats["clipfrac"].append(token_mean([c.float() for c in clipped]))
             stats["clipfrac_value"].append(token_mean(pieces["vclipped"]))
             stats["entropy"].append(token_mean(pieces["entropy"]))
@@ -619,8 +704,14 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
         check_scalar(scalars, "charts/reward_std", step, statistics.stdev(row_totals))
         check_scalar(scalars, "charts/completion_length", step, sum(len(c) for _, c in rows) / N)
         check_scalar(scalars, "charts/kl_coef", step, kl_coef)
-        tags = dict(policy_loss="pg", value_loss="vloss", approx_kl="approx_kl", clipfrac="clipfrac",
-                    clipfrac_value="clipfrac_value", entropy="entropy")
+        tags = dict(
+            policy_loss="pg",
+            value_loss="vloss",
+            approx_kl="approx_kl",
+            clipfrac="clipfrac",
+            clipfrac_value="clipfrac_value",
+            entropy="entropy",
+        )
         for tag, key in tags.items():
             check_scalar(scalars, f"losses/{tag}", step, sum(stats[key]) / (E * K), abs=1e-5)
         check_scalar(scalars, "losses/grad_norm", step, calls[-2]["norm"])
@@ -637,6 +728,8 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
             k1 = [kl_penalty(o, r, "k1").sum().item() for o, r in zip(old, ref)]
             error = min(max(sum(k1) / N / a["target_kl"] - 1, -0.2), 0.2)
             kl_coef *= 1 + error * N / a["kl_horizon"]
-    assert clipped_policy and clipped_critic, "max_grad_norm must clip some step of each model, or the clip is not tested"
+    assert clipped_policy and clipped_critic, (
+        "max_grad_norm must clip some step of each model, or the clip is not tested"
+    )
     if a["target_kl"] is not None:
         assert kl_coef != a["kl_coef"]

@@ -7,12 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from machinery import bookkeeping
-from machinery import checkpoints
-from machinery import errors
 import grpo
-from machinery import models
 import ppo
+from machinery import bookkeeping, checkpoints, errors, models
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -20,7 +17,9 @@ SCRIPTS = {"grpo": grpo, "ppo": ppo}
 # a reference (kl_coef > 0), minibatches and micro-batches, so every stored state takes part.
 QUICK = {
     "grpo": dict(prompts_per_step=2, group_size=3, max_new_tokens=4, num_iterations=2, beta=0.1, micro_batch_size=4),
-    "ppo": dict(prompts_per_step=4, max_new_tokens=4, kl_coef=0.1, update_epochs=2, num_minibatches=2, micro_batch_size=1),
+    "ppo": dict(
+        prompts_per_step=4, max_new_tokens=4, kl_coef=0.1, update_epochs=2, num_minibatches=2, micro_batch_size=1
+    ),
 }
 
 
@@ -82,7 +81,8 @@ def test_same_seed_same_run(script, tmp_path):
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_deterministic_flag_turns_on_deterministic_algorithms_and_reproduces(script, tmp_path):
-    """--deterministic (what a GPU run needs) switches torch's deterministic algorithms on, and changes no result on CPU."""
+    """--deterministic (what a GPU run needs) switches torch's deterministic algorithms on, and changes no result on
+    CPU."""
     try:
         results = []
         for name in ("a", "b"):
@@ -111,7 +111,12 @@ def test_resume_continues_exactly(script, tmp_path):
     first = main(quick_args(script, tmp_path / "parts", num_steps=k, save_every=k))
     run_dir = only_run_dir(tmp_path / "parts")
     checkpoint = os.path.join(run_dir, "checkpoint")
-    assert checkpoints.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k + m))["step"] == k
+    assert (
+        checkpoints.load_checkpoint(checkpoint, script, resolved_args(script, tmp_path / "parts", num_steps=k + m))[
+            "step"
+        ]
+        == k
+    )
     resumed = main(quick_args(script, tmp_path / "parts", num_steps=k + m, resume=checkpoint))
 
     assert first == whole[:k]
@@ -141,17 +146,26 @@ def grpo_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "field, value, flag",
-    [("learning_rate", 1e-3, "--learning-rate"), ("seed", 2, "--seed"), ("beta", 0.2, "--beta"),
-     ("loss_agg", "token-mean", "--loss-agg"), ("group_size", 2, "--group-size")],
-)  # fmt: skip
+    [
+        ("learning_rate", 1e-3, "--learning-rate"),
+        ("seed", 2, "--seed"),
+        ("beta", 0.2, "--beta"),
+        ("loss_agg", "token-mean", "--loss-agg"),
+        ("group_size", 2, "--group-size"),
+    ],
+)
 def test_resume_with_other_args_names_the_flag(grpo_checkpoint, tmp_path, monkeypatch, field, value, flag):
-    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint"))
+    monkeypatch.setattr(
+        models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint")
+    )
     with pytest.raises(errors.UsageError, match=f"was run with {flag} "):
         grpo.main(quick_args("grpo", tmp_path, resume=grpo_checkpoint, **{field: value}))
 
 
 def test_resume_may_change_what_does_not_change_the_trajectory(grpo_checkpoint, tmp_path):
-    args = resolved_args("grpo", tmp_path, num_steps=5, save_every=3, sample_every=7, eval_every=9, dump_dir=str(tmp_path / "d"))
+    args = resolved_args(
+        "grpo", tmp_path, num_steps=5, save_every=3, sample_every=7, eval_every=9, dump_dir=str(tmp_path / "d")
+    )
     assert checkpoints.load_checkpoint(grpo_checkpoint, "grpo", args)["step"] == 1
 
 
@@ -205,12 +219,17 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
             return real_save_pretrained(self, folder, *a, **k)
 
         monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_pretrained)
-    with pytest.raises(errors.UsageError, match=r"could not write the checkpoint of step 2 .*\(disk full\); the last good checkpoint is") as error:
+    with pytest.raises(
+        errors.UsageError,
+        match=r"could not write the checkpoint of step 2 .*\(disk full\); the last good checkpoint is",
+    ) as error:
         grpo.main(args)
     monkeypatch.undo()
 
     checkpoint = os.path.join(only_run_dir(tmp_path), "checkpoint")
-    assert str(error.value).endswith(f"the last good checkpoint is {checkpoint}: free some disk space, then resume from it")
+    assert str(error.value).endswith(
+        f"the last good checkpoint is {checkpoint}: free some disk space, then resume from it"
+    )
     assert not os.path.exists(f"{checkpoint}.tmp")  # the half-written save is removed, freeing its space
     assert len(saves) == 2 and checkpoint_step(checkpoint) == 1
     assert checkpoints.load_checkpoint(checkpoint, "grpo", args)["step"] == 1

@@ -4,15 +4,23 @@ checkpoint file changed without changing its size is refused."""
 import os
 
 import pytest
+from test_reproducibility import (
+    SCRIPTS,
+    assert_same_weights,
+    final_weights,
+    logged_scalars,
+    only_run_dir,
+    quick_args,
+    resolved_args,
+)
 
-from machinery import checkpoints
-from machinery import errors
 import grpo
-from test_reproducibility import (SCRIPTS, assert_same_weights, final_weights, logged_scalars, only_run_dir, quick_args,
-                                  resolved_args)
+from machinery import checkpoints, errors
 
-EXTRA = {"grpo": dict(warmup_steps=3, learning_rate=2e-3),
-         "ppo": dict(warmup_steps=3, learning_rate=2e-3, target_kl=0.01, kl_horizon=8, kl_coef=0.1)}  # fmt: skip
+EXTRA = {
+    "grpo": dict(warmup_steps=3, learning_rate=2e-3),
+    "ppo": dict(warmup_steps=3, learning_rate=2e-3, target_kl=0.01, kl_horizon=8, kl_coef=0.1),
+}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

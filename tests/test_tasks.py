@@ -3,15 +3,27 @@
 import pytest
 
 from machinery.errors import UsageError
-from tasks.rewards import copy_reward
 from tasks import Task, copy_task, load_task
+from tasks.rewards import copy_reward
 
 
 @pytest.mark.parametrize(
     "completion, reward",
-    [("123", 1.0), ("12", 2 / 3), ("1234", 3 / 4), ("321", 1 / 3), ("", 0.0), ("9999999", 0.0),
-     ("124", 2 / 3), ("923", 2 / 3), ("132", 1 / 3), ("456", 0.0), ("231", 0.0), ("312", 0.0)],
-)  # fmt: skip
+    [
+        ("123", 1.0),
+        ("12", 2 / 3),
+        ("1234", 3 / 4),
+        ("321", 1 / 3),
+        ("", 0.0),
+        ("9999999", 0.0),
+        ("124", 2 / 3),
+        ("923", 2 / 3),
+        ("132", 1 / 3),
+        ("456", 0.0),
+        ("231", 0.0),
+        ("312", 0.0),
+    ],
+)
 def test_copy_reward_hand_values(completion, reward):
     """Wrong answers of the right length ("124", "231", "312") earn only their characters in the right place:
     guards a reward that counts shared characters anywhere, or gives credit for the length alone."""
@@ -25,7 +37,9 @@ def test_copy_task_split():
     assert all(ex["prompt"] == ex["answer"] + "=" for ex in task.train)
 
 
-@pytest.mark.parametrize("bad_reward", [lambda p, c, a: 1 / 0, lambda p, c, a: float("nan"), lambda p, c, a: True, lambda p, c, a: "1"])
+@pytest.mark.parametrize(
+    "bad_reward", [lambda p, c, a: 1 / 0, lambda p, c, a: float("nan"), lambda p, c, a: True, lambda p, c, a: "1"]
+)
 def test_broken_reward_function_is_a_usage_error(bad_reward):
     task = Task("broken", [], [], bad_reward)
     with pytest.raises(UsageError, match="broken"):
@@ -40,7 +54,8 @@ def test_unknown_task_is_a_usage_error():
 def test_held_out_split_is_a_fixed_shuffle():
     """split_examples holds out 10% chosen by a fixed-seed shuffle: not the first lines of the data (a file sorted by
     difficulty or topic would give an unrepresentative held-out set), the same on every run, disjoint from the
-    training examples, and without reordering the caller's list. Guards a split without the shuffle, or an unseeded one."""
+    training examples, and without reordering the caller's list. Guards a split without the shuffle, or an unseeded
+    one."""
     from tasks import split_examples
 
     examples = [{"prompt": f"{i}=", "answer": str(i)} for i in range(100)]
@@ -53,10 +68,20 @@ def test_held_out_split_is_a_fixed_shuffle():
     assert [ex["answer"] for ex in examples] == [str(i) for i in range(100)]
 
 
-@pytest.mark.parametrize("completion, answer, reward", [
-    ("Paris", "Paris", 1.0), (" Paris\n", "Paris", 1.0), ("London", "Paris", 0.0), ("", "Paris", 0.0),
-    ("paris", "Paris", 0.0), ("3.50", "3.5", 1.0), ("1,000", "1000", 1.0), ("Paris", "3", 0.0), ("3", "Paris", 0.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("Paris", "Paris", 1.0),
+        (" Paris\n", "Paris", 1.0),
+        ("London", "Paris", 0.0),
+        ("", "Paris", 0.0),
+        ("paris", "Paris", 0.0),
+        ("3.50", "3.5", 1.0),
+        ("1,000", "1000", 1.0),
+        ("Paris", "3", 0.0),
+        ("3", "Paris", 0.0),
+    ],
+)
 def test_match_reward_on_text_answers(completion, answer, reward):
     """Two texts that are not numbers match only when equal (two unparsable numbers are not the same number)."""
     from tasks.rewards import match_reward

@@ -17,12 +17,10 @@ from fractions import Fraction
 
 import pytest
 
-from machinery import bookkeeping
-from machinery import models
-from tasks import rewards
 import tasks
+from machinery import bookkeeping, models
 from machinery.errors import UsageError
-from tasks import load_task
+from tasks import load_task, rewards
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -95,9 +93,19 @@ def test_arithmetic_bad_difficulty_is_a_usage_error(name):
 
 @pytest.mark.parametrize(
     "completion, answer, reward",
-    [("19", "19", 1.0), (" 19\n", "19", 1.0), ("-5", "-5", 1.0), ("5", "-5", 0.0), ("019", "19", 0.0),
-     ("19.0", "19", 0.0), ("1", "19", 0.0), ("1919", "19", 0.0), ("", "19", 0.0), ("19=19", "19", 0.0)],
-)  # fmt: skip
+    [
+        ("19", "19", 1.0),
+        (" 19\n", "19", 1.0),
+        ("-5", "-5", 1.0),
+        ("5", "-5", 0.0),
+        ("019", "19", 0.0),
+        ("19.0", "19", 0.0),
+        ("1", "19", 0.0),
+        ("1919", "19", 0.0),
+        ("", "19", 0.0),
+        ("19=19", "19", 0.0),
+    ],
+)
 def test_arithmetic_reward_is_exact_match(completion, answer, reward):
     assert rewards.arithmetic_reward("12+7=", completion, answer) == reward
 
@@ -113,9 +121,16 @@ def countdown_answer(target, numbers):
 
 @pytest.mark.parametrize(
     "equation, numbers, value",
-    [("(1 + 2) * 3", [1, 2, 3], 9), ("(1 + 2) * 3 = 9", [1, 2, 3], 9), ("50 / 2", [2, 50], 25),
-     ("7 / 2", [2, 7], Fraction(7, 2)), ("3 * 3", [3, 3, 5], 9), ("25 - 50", [25, 50], -25), (" 7 ", [7], 7)],
-)  # fmt: skip
+    [
+        ("(1 + 2) * 3", [1, 2, 3], 9),
+        ("(1 + 2) * 3 = 9", [1, 2, 3], 9),
+        ("50 / 2", [2, 50], 25),
+        ("7 / 2", [2, 7], Fraction(7, 2)),
+        ("3 * 3", [3, 3, 5], 9),
+        ("25 - 50", [25, 50], -25),
+        (" 7 ", [7], 7),
+    ],
+)
 def test_countdown_value_of_well_formed_equations(equation, numbers, value):
     result = rewards.countdown_value(equation, numbers)
     assert result == value and isinstance(result, Fraction)
@@ -177,32 +192,43 @@ def test_countdown_never_executes_or_hangs_on_malicious_equations(equation, monk
 
 @pytest.mark.parametrize(
     "completion, reward",
-    [("<answer>(1 + 2) * 3</answer>", 1.0),
-     ("Let me think. 1 + 2 = 3, 3 * 3 = 9.\n<answer>(1 + 2) * 3 = 9</answer>", 1.0),
-     ("<answer>1 + 2 + 3</answer>", 0.1),  # well formed, misses the target
-     ("<answer>9</answer>", 0.0),  # 9 is not one of the numbers
-     ("(1 + 2) * 3", 0.0),  # no tags
-     ("<answer>(1 + 2) * 3", 0.0),  # unclosed
-     ("<answer>1 + 2 + 3</answer> no wait <answer>(1 + 2) * 3</answer>", 1.0),  # the last one counts
-     ("<answer>(1 + 2) * 3</answer> no wait <answer>1 + 2 + 3</answer>", 0.1),
-     ("<answer>(1 + 2) * 3</answer><answer>", 1.0)],
-)  # fmt: skip
+    [
+        ("<answer>(1 + 2) * 3</answer>", 1.0),
+        ("Let me think. 1 + 2 = 3, 3 * 3 = 9.\n<answer>(1 + 2) * 3 = 9</answer>", 1.0),
+        ("<answer>1 + 2 + 3</answer>", 0.1),  # well formed, misses the target
+        ("<answer>9</answer>", 0.0),  # 9 is not one of the numbers
+        ("(1 + 2) * 3", 0.0),  # no tags
+        ("<answer>(1 + 2) * 3", 0.0),  # unclosed
+        ("<answer>1 + 2 + 3</answer> no wait <answer>(1 + 2) * 3</answer>", 1.0),  # the last one counts
+        ("<answer>(1 + 2) * 3</answer> no wait <answer>1 + 2 + 3</answer>", 0.1),
+        ("<answer>(1 + 2) * 3</answer><answer>", 1.0),
+    ],
+)
 def test_countdown_reward_hand_values(completion, reward):
     assert rewards.countdown_reward("", completion, countdown_answer(9, [1, 2, 3])) == reward
 
 
 @pytest.mark.parametrize(
     "completion, expected",
-    [("<answer>" * 50_000, 0.0),  # no closing tag
-     ("<answer>" * 20_000 + "(1 + 2) * 3</answer>" * 20_000, 0.0),  # the last pair holds tags: not an equation
-     ("x" * 5_000_000, 0.0),
-     ("<answer>" + "1 + " * 1_000_000 + "</answer>", 0.0),  # over countdown_value's 100 characters
-     ("</answer><answer>" * 100_000, 0.0),  # the last pair is empty
-     ("x" * 5_000_000 + "<answer>(1 + 2) * 3</answer>", 1.0),  # a right answer after a huge text still counts
-     ("<answer>" * 50_000 + "<answer>1 + 2 + 3</answer>", 0.1)],  # a well-formed miss after many open tags
-    ids=["unclosed-tags", "many-tags", "long-text", "long-equation", "alternating-tags", "right-after-long-text",
-         "miss-after-open-tags"],
-)  # fmt: skip
+    [
+        ("<answer>" * 50_000, 0.0),  # no closing tag
+        ("<answer>" * 20_000 + "(1 + 2) * 3</answer>" * 20_000, 0.0),  # the last pair holds tags: not an equation
+        ("x" * 5_000_000, 0.0),
+        ("<answer>" + "1 + " * 1_000_000 + "</answer>", 0.0),  # over countdown_value's 100 characters
+        ("</answer><answer>" * 100_000, 0.0),  # the last pair is empty
+        ("x" * 5_000_000 + "<answer>(1 + 2) * 3</answer>", 1.0),  # a right answer after a huge text still counts
+        ("<answer>" * 50_000 + "<answer>1 + 2 + 3</answer>", 0.1),
+    ],  # a well-formed miss after many open tags
+    ids=[
+        "unclosed-tags",
+        "many-tags",
+        "long-text",
+        "long-equation",
+        "alternating-tags",
+        "right-after-long-text",
+        "miss-after-open-tags",
+    ],
+)
 def test_countdown_reward_is_fast_on_huge_completions(completion, expected):
     """Fast, and still the exact reward: guards a search that gives up (or a length cap that scores 0) on long
     text, as much as one that takes quadratic time."""
@@ -270,29 +296,52 @@ def test_gsm8k_reference_solutions_score_1():
     """Each row's own worked solution, as a completion, gets full reward against its answer."""
     task = fixture_task()
     rows = fixture_rows()
-    rewards = task.score([ex["prompt"] for ex in task.train], [row["answer"] for row in rows], [ex["answer"] for ex in task.train])
+    rewards = task.score(
+        [ex["prompt"] for ex in task.train], [row["answer"] for row in rows], [ex["answer"] for ex in task.train]
+    )
     assert rewards == [1.0] * 5
 
 
 @pytest.mark.parametrize(
     "completion, final",
-    [("3*24=<<3*24=72>>72 pencils.\n#### 72", "72"), ("#### 1,440", "1,440"), ("#### $1,440", "1,440"),
-     ("The answer is \\boxed{1,440}.", "1,440"), ("\\boxed{\\text{1440 dollars}}", "1440"),
-     ("so 18*40=720 and 720*2=1440.", "1440"), ("she has -5 left", "-5"), ("12-7=5", "5"),
-     ("#### 72\nBut then 99 more", "72"), ("\\boxed{7} but #### 8", "8"), ("#### no number here, 3", "3"),
-     ("It is $1440.00", "1440.00"), ("no digits", None), ("", None)],
-)  # fmt: skip
+    [
+        ("3*24=<<3*24=72>>72 pencils.\n#### 72", "72"),
+        ("#### 1,440", "1,440"),
+        ("#### $1,440", "1,440"),
+        ("The answer is \\boxed{1,440}.", "1,440"),
+        ("\\boxed{\\text{1440 dollars}}", "1440"),
+        ("so 18*40=720 and 720*2=1440.", "1440"),
+        ("she has -5 left", "-5"),
+        ("12-7=5", "5"),
+        ("#### 72\nBut then 99 more", "72"),
+        ("\\boxed{7} but #### 8", "8"),
+        ("#### no number here, 3", "3"),
+        ("It is $1440.00", "1440.00"),
+        ("no digits", None),
+        ("", None),
+    ],
+)
 def test_gsm8k_final_number(completion, final):
     assert rewards.gsm8k_final_number(completion) == final
 
 
 @pytest.mark.parametrize(
     "completion, reward, format_reward",
-    [("... #### 1440", 1.0, 1.0), ("... #### 1,440", 1.0, 1.0), ("... #### $1,440.00", 1.0, 1.0),
-     ("She earns $1,440.", 1.0, 1.0), ("The answer is 1440.0", 1.0, 1.0), ("\\boxed{1440}", 1.0, 1.0),
-     ("... #### 1441", 0.0, 0.1), ("#### -1440", 0.0, 0.1), ("She earns 1441 dollars.", 0.0, 0.0),
-     ("14400", 0.0, 0.0), ("144", 0.0, 0.0), ("I do not know", 0.0, 0.0)],
-)  # fmt: skip
+    [
+        ("... #### 1440", 1.0, 1.0),
+        ("... #### 1,440", 1.0, 1.0),
+        ("... #### $1,440.00", 1.0, 1.0),
+        ("She earns $1,440.", 1.0, 1.0),
+        ("The answer is 1440.0", 1.0, 1.0),
+        ("\\boxed{1440}", 1.0, 1.0),
+        ("... #### 1441", 0.0, 0.1),
+        ("#### -1440", 0.0, 0.1),
+        ("She earns 1441 dollars.", 0.0, 0.0),
+        ("14400", 0.0, 0.0),
+        ("144", 0.0, 0.0),
+        ("I do not know", 0.0, 0.0),
+    ],
+)
 def test_gsm8k_rewards_on_the_1440_row(completion, reward, format_reward):
     task, format_task = fixture_task(), fixture_task(format_bonus=True)
     prompt, answer = task.train[2]["prompt"], task.train[2]["answer"]
@@ -301,7 +350,9 @@ def test_gsm8k_rewards_on_the_1440_row(completion, reward, format_reward):
     assert format_task.score([prompt], [completion], [answer]) == [format_reward]
 
 
-@pytest.mark.parametrize("completion", ["1" * 100_000, "#### " + "9" * 5000, "111," * 100_000, "\\boxed{" * 20_000, "1e999999999"])
+@pytest.mark.parametrize(
+    "completion", ["1" * 100_000, "#### " + "9" * 5000, "111," * 100_000, "\\boxed{" * 20_000, "1e999999999"]
+)
 def test_gsm8k_reward_survives_huge_numbers(completion):
     """A degenerate completion (thousands of digits) scores 0; it must not stop the run or hang."""
     with deadline(2):
@@ -362,17 +413,24 @@ def test_jsonl_good_file(tmp_path):
 
 
 def test_jsonl_bad_json_names_file_and_line(tmp_path):
-    path = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "1=", "answer": "1"}', "", "{'prompt': '2=', 'answer': '2'}"])
+    path = write_lines(
+        tmp_path / "bad.jsonl", ['{"prompt": "1=", "answer": "1"}', "", "{'prompt': '2=', 'answer': '2'}"]
+    )
     with pytest.raises(UsageError, match=rf"{re.escape(path)}, line 3: not valid JSON"):
         load_task(f"jsonl:{path}")
 
 
 @pytest.mark.parametrize(
     "row, message",
-    [({"prompt": "1="}, 'the key "answer" is missing'), ({"answer": "1"}, 'the key "prompt" is missing'),
-     ({"prompt": "", "answer": "1"}, '"prompt" must be a non-empty string'), ({"prompt": "1=", "answer": None}, '"answer" must be'),
-     ({"prompt": "1=", "answer": True}, '"answer" must be'), (["1=", "1"], "expected an object")],
-)  # fmt: skip
+    [
+        ({"prompt": "1="}, 'the key "answer" is missing'),
+        ({"answer": "1"}, 'the key "prompt" is missing'),
+        ({"prompt": "", "answer": "1"}, '"prompt" must be a non-empty string'),
+        ({"prompt": "1=", "answer": None}, '"answer" must be'),
+        ({"prompt": "1=", "answer": True}, '"answer" must be'),
+        (["1=", "1"], "expected an object"),
+    ],
+)
 def test_jsonl_bad_row_names_file_line_and_key(tmp_path, row, message):
     path = write_lines(tmp_path / "rows.jsonl", [json.dumps({"prompt": "1=", "answer": "1"}), json.dumps(row)])
     with pytest.raises(UsageError, match=rf"{re.escape(path)}, line 2: .*{re.escape(message)}"):
@@ -406,7 +464,7 @@ def test_jsonl_single_example_and_non_utf8(tmp_path):
 # python:FILE.py:FUNC
 # ---------------------------------------------------------------------------------------------------
 
-REWARD_FILE = '''
+REWARD_FILE = """
 EXAMPLES = [{"prompt": f"say {i}", "answer": str(i)} for i in range(10)]
 
 
@@ -435,7 +493,7 @@ def two_args(prompt, completion):
 
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -470,11 +528,15 @@ def test_python_reward_returning_a_non_number(reward_file, function, shown):
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("{file}:missing", r"has no 'missing'; its functions are: exact, length_reward, nan, raises, text, two_args"),
-     ("{file}:NOT_A_FUNCTION", "is a int, not a function"), ("{file}:two_args", r"must take \(prompt, completion, answer\)"),
-     ("{dir}/nope.py:f", "there is no file"), ("{file}", "write python:FILE.py:FUNCTION"),
-     ("{dir}/data.txt:f", "write python:FILE.py:FUNCTION")],
-)  # fmt: skip
+    [
+        ("{file}:missing", r"has no 'missing'; its functions are: exact, length_reward, nan, raises, text, two_args"),
+        ("{file}:NOT_A_FUNCTION", "is a int, not a function"),
+        ("{file}:two_args", r"must take \(prompt, completion, answer\)"),
+        ("{dir}/nope.py:f", "there is no file"),
+        ("{file}", "write python:FILE.py:FUNCTION"),
+        ("{dir}/data.txt:f", "write python:FILE.py:FUNCTION"),
+    ],
+)
 def test_python_task_bad_spec(reward_file, tmp_path, spec, message):
     with pytest.raises(UsageError, match=message):
         load_task("python:" + spec.format(file=reward_file, dir=tmp_path))

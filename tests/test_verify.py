@@ -17,11 +17,34 @@ import verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # verify.py's recommended dumps (its docstring and the README give the same commands).
-GRPO_RECIPE = dict(task="copy:1-3", num_steps=3, num_iterations=2, learning_rate=1e-2, clip_low=0.05, clip_high=0.05,
-                   beta=0.1, max_new_tokens=4, temperature=0.8, weight_decay=0.1)  # fmt: skip
-PPO_RECIPE = dict(task="copy:1-3", num_steps=3, prompts_per_step=16, learning_rate=1e-2, critic_learning_rate=1e-2,
-                  clip_low=0.05, clip_high=0.05, cliprange_value=0.01, target_kl=2.0, kl_horizon=100,
-                  max_new_tokens=4, temperature=0.8, gamma=0.95, micro_batch_size=4)  # fmt: skip
+GRPO_RECIPE = dict(
+    task="copy:1-3",
+    num_steps=3,
+    num_iterations=2,
+    learning_rate=1e-2,
+    clip_low=0.05,
+    clip_high=0.05,
+    beta=0.1,
+    max_new_tokens=4,
+    temperature=0.8,
+    weight_decay=0.1,
+)
+PPO_RECIPE = dict(
+    task="copy:1-3",
+    num_steps=3,
+    prompts_per_step=16,
+    learning_rate=1e-2,
+    critic_learning_rate=1e-2,
+    clip_low=0.05,
+    clip_high=0.05,
+    cliprange_value=0.01,
+    target_kl=2.0,
+    kl_horizon=100,
+    max_new_tokens=4,
+    temperature=0.8,
+    gamma=0.95,
+    micro_batch_size=4,
+)
 
 
 def make_dump(folder, script, **flags):
@@ -34,10 +57,20 @@ def make_dump(folder, script, **flags):
 def dumps(tmp_path_factory):
     """The recommended dumps, and a one-step GRPO dump at the defaults (ratio 1, KL 0: nothing exercised)."""
     folder = tmp_path_factory.mktemp("verify")
-    plain = make_dump(tmp_path_factory.mktemp("plain"), "grpo", seed=3, prompts_per_step=3, group_size=4,
-                      max_new_tokens=4, num_steps=1)  # fmt: skip
-    return {"grpo": make_dump(folder, "grpo", **GRPO_RECIPE), "ppo": make_dump(folder, "ppo", **PPO_RECIPE),
-            "plain": plain}  # fmt: skip
+    plain = make_dump(
+        tmp_path_factory.mktemp("plain"),
+        "grpo",
+        seed=3,
+        prompts_per_step=3,
+        group_size=4,
+        max_new_tokens=4,
+        num_steps=1,
+    )
+    return {
+        "grpo": make_dump(folder, "grpo", **GRPO_RECIPE),
+        "ppo": make_dump(folder, "ppo", **PPO_RECIPE),
+        "plain": plain,
+    }
 
 
 def run(capsys, *argv):
@@ -104,27 +137,46 @@ for _name in ("group_advantages", "gae", "rewards", "kl", "per_token_loss", "los
     globals()[_name] = _wrap(_name)
 """
 BUGS = {
-    "value clip takes the min": ("ppo", "BUGS = [(ppo, 'clipped_value_loss', lambda v, old, ret, c: 0.5 * torch.min("
-                                 "(v - ret) ** 2, (old + torch.clamp(v - old, -c, c) - ret) ** 2))]"),
-    "policy clip takes the min": ("ppo", "BUGS = [(ppo, 'clipped_policy_loss', lambda lr, a, lo, hi: torch.min("
-                                  "-a * lr.exp(), -a * torch.clamp(lr.exp(), 1 - lo, 1 + hi)))]"),
-    "GRPO clip bound doubled": ("grpo", "BUGS = [(grpo, 'clipped_policy_loss', lambda lr, a, lo, hi: torch.max("
-                                "-a * lr.exp(), -a * torch.clamp(lr.exp(), 1 - lo, 1 + 2 * hi)))]"),
+    "value clip takes the min": (
+        "ppo",
+        "BUGS = [(ppo, 'clipped_value_loss', lambda v, old, ret, c: 0.5 * torch.min("
+        "(v - ret) ** 2, (old + torch.clamp(v - old, -c, c) - ret) ** 2))]",
+    ),
+    "policy clip takes the min": (
+        "ppo",
+        "BUGS = [(ppo, 'clipped_policy_loss', lambda lr, a, lo, hi: torch.min("
+        "-a * lr.exp(), -a * torch.clamp(lr.exp(), 1 - lo, 1 + hi)))]",
+    ),
+    "GRPO clip bound doubled": (
+        "grpo",
+        "BUGS = [(grpo, 'clipped_policy_loss', lambda lr, a, lo, hi: torch.max("
+        "-a * lr.exp(), -a * torch.clamp(lr.exp(), 1 - lo, 1 + 2 * hi)))]",
+    ),
     "PPO KL sign flipped": ("ppo", "BUGS = [(ppo, 'kl_estimate', lambda logp, ref, kind: ref - logp)]"),
-    "GRPO KL sign flipped": ("grpo", "BUGS = []\ndef kl(batch, args):\n    lr = batch['new_logp'] - batch['ref_logp']"
-                             "\n    return lr.exp() - 1 - lr"),
-    "EOS penalty sign flipped": ("ppo", "BUGS = []\ndef rewards(batch, args):\n    return ours.rewards(batch, "
-                                 "dict(args, missing_eos_penalty=-args['missing_eos_penalty']))"),
-    "score one past the EOS": ("ppo", """BUGS = []
+    "GRPO KL sign flipped": (
+        "grpo",
+        "BUGS = []\ndef kl(batch, args):\n    lr = batch['new_logp'] - batch['ref_logp']\n    return lr.exp() - 1 - lr",
+    ),
+    "EOS penalty sign flipped": (
+        "ppo",
+        "BUGS = []\ndef rewards(batch, args):\n    return ours.rewards(batch, "
+        "dict(args, missing_eos_penalty=-args['missing_eos_penalty']))",
+    ),
+    "score one past the EOS": (
+        "ppo",
+        """BUGS = []
 def rewards(batch, args):
     mask, T = batch["completion_mask"], batch["completion_mask"].shape[1]
     has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)
     score = batch["scores"] - args["missing_eos_penalty"] * (~has_eos).float()
     past = mask.sum(1).long().clamp(max=T - 1)  # one position past the last real token
     kl = ppo.kl_estimate(batch["old_logp"], batch["ref_logp"], args["kl_estimator"]) * mask
-    return torch.zeros_like(kl).scatter(1, past[:, None], score[:, None]) - batch["kl_coef"] * kl"""),
-    "controller error not clipped": ("ppo", "BUGS = [(ppo, 'adaptive_kl_coef', lambda c, kl, t, n, h: "
-                                     "c * (1 + (kl / t - 1) * n / h))]"),
+    return torch.zeros_like(kl).scatter(1, past[:, None], score[:, None]) - batch["kl_coef"] * kl""",
+    ),
+    "controller error not clipped": (
+        "ppo",
+        "BUGS = [(ppo, 'adaptive_kl_coef', lambda c, kl, t, n, h: c * (1 + (kl / t - 1) * n / h))]",
+    ),
 }
 CAUGHT_BY = {
     "value clip takes the min": ["per-token loss", "loss", "gradient"],
@@ -149,7 +201,9 @@ def test_a_planted_bug_fails_its_rows_on_the_recommended_dump(dumps, capsys, tmp
 
 
 def test_nan_fails_every_row(dumps, capsys, tmp_path):
-    adapter = write_adapter(tmp_path, """
+    adapter = write_adapter(
+        tmp_path,
+        """
 import torch
 from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
@@ -167,7 +221,8 @@ def token_logprobs(model, batch, args):
     return ours.token_logprobs(model, batch, args) * float("nan")
 def train_loss(model, batch, args, critic=None):
     return ours.train_loss(model, batch, args, critic) * float("nan")
-""")
+""",
+    )
     code, out, _ = run(capsys, dumps["grpo"], "--against", adapter)
     assert code == 1
     results = rows(out)
@@ -176,14 +231,17 @@ def train_loss(model, batch, args, critic=None):
 
 
 def test_a_known_difference_is_shown_not_passed(dumps, capsys, tmp_path):
-    adapter = write_adapter(tmp_path, """
+    adapter = write_adapter(
+        tmp_path,
+        """
 from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 def group_advantages(batch, args):
     return ours.group_advantages(batch, dict(args, adv_eps=1e-2))
 def known_differences(args, options):
     return {"advantages": "the std's eps is 1e-2 (mine.py)"}
-""")
+""",
+    )
     code, out, _ = run(capsys, dumps["grpo"], "--against", adapter)
     assert code == 1 and rows(out)["advantages"].startswith("FAIL"), out
     code, out, _ = run(capsys, dumps["grpo"], "--against", adapter, "--accept", "advantages")
@@ -194,13 +252,16 @@ def known_differences(args, options):
 
 def test_the_update_row_sees_the_optimizer_state(dumps, capsys, tmp_path):
     """A fresh AdamW every step: the same first step (Adam's is scale-free), a different second."""
-    adapter = write_adapter(tmp_path, """
+    adapter = write_adapter(
+        tmp_path,
+        """
 from verifier import report as verify_report
 ours = verify_report.load_adapter("self")
 def update(model, batch, args, state):
     state.clear()
     ours.update(model, batch, args, state)
-""")
+""",
+    )
     code, out, _ = run(capsys, dumps["grpo"], "--against", adapter)
     assert code == 1 and rows(out)["update"].startswith("FAIL at step 2"), out
 
@@ -223,12 +284,20 @@ MISTAKES = {
     "exits": ("import sys\ndef loss(batch, args):\n    sys.exit(0)", "loss() called sys.exit(0)"),
     "returns None": ("def loss(batch, args):\n    pass", "loss() returned None: return its value, or raise"),
     "returns a string": ("def loss(batch, args):\n    return 'x'", "loss() returned str, not a tensor"),
-    "the wrong shape": ("import torch\ndef kl(batch, args):\n    return torch.zeros(3, 1)",
-                        "kl() returned shape (3, 1) at step 1; the dump's kl is (12, 4)"),
-    "no autograd": ("from verifier import report as verify_report\nours = verify_report.load_adapter('self')\n"
-                    "def train_loss(model, batch, args, critic=None):\n    return ours.train_loss(model, batch, args)"
-                    ".detach()", "train_loss() returned a tensor of shape () without autograd"),
-    "exits on import": ("import sys\nsys.exit(0)\ndef loss(batch, args):\n    return 1", "called sys.exit(0) on import"),
+    "the wrong shape": (
+        "import torch\ndef kl(batch, args):\n    return torch.zeros(3, 1)",
+        "kl() returned shape (3, 1) at step 1; the dump's kl is (12, 4)",
+    ),
+    "no autograd": (
+        "from verifier import report as verify_report\nours = verify_report.load_adapter('self')\n"
+        "def train_loss(model, batch, args, critic=None):\n    return ours.train_loss(model, batch, args)"
+        ".detach()",
+        "train_loss() returned a tensor of shape () without autograd",
+    ),
+    "exits on import": (
+        "import sys\nsys.exit(0)\ndef loss(batch, args):\n    return 1",
+        "called sys.exit(0) on import",
+    ),
 }
 
 
@@ -247,8 +316,11 @@ def test_ctrl_c_in_the_adapter(dumps, capsys, tmp_path):
 
 
 def test_a_stub_at_import_does_not_break_the_models(dumps, capsys, tmp_path):
-    adapter = write_adapter(tmp_path, "import sys, types\nsys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
-                            "from verifier import report as verify_report\nloss = verify_report.load_adapter('self').loss\n")
+    adapter = write_adapter(
+        tmp_path,
+        "import sys, types\nsys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
+        "from verifier import report as verify_report\nloss = verify_report.load_adapter('self').loss\n",
+    )
     try:
         code, out, _ = run(capsys, dumps["plain"], "--against", adapter)
     finally:  # verify.py runs once a process: the stub must not reach the tests after this one
@@ -257,8 +329,9 @@ def test_a_stub_at_import_does_not_break_the_models(dumps, capsys, tmp_path):
 
 
 def test_bad_input_gets_one_line(dumps, capsys, tmp_path):
-    options = write_adapter(tmp_path, "OPTIONS = {'eps': 1e-4}\ndef kl(batch, args):\n    return batch['ref_logp']\n",
-                            "opts.py")  # fmt: skip
+    options = write_adapter(
+        tmp_path, "OPTIONS = {'eps': 1e-4}\ndef kl(batch, args):\n    return batch['ref_logp']\n", "opts.py"
+    )
     other = tmp_path / "other"
     shutil.copytree(dumps["plain"], other)
     meta = json.loads((other / "metadata.json").read_text())
@@ -415,10 +488,22 @@ def test_openrlhf(dumps, tmp_path, script):
 
 def test_self_check_passes_with_the_entropy_bonus(capsys, tmp_path):
     """The per-token loss of a dump made with --ent-coef includes -ent_coef * the dumped entropy."""
-    ppo.main(ppo.Args(seed=3, prompts_per_step=8, max_new_tokens=4, sample_every=0, num_steps=1, ent_coef=0.5,
-                      output_dir=str(tmp_path / "runs"), dump_dir=str(tmp_path / "dump")))  # fmt: skip
+    ppo.main(
+        ppo.Args(
+            seed=3,
+            prompts_per_step=8,
+            max_new_tokens=4,
+            sample_every=0,
+            num_steps=1,
+            ent_coef=0.5,
+            output_dir=str(tmp_path / "runs"),
+            dump_dir=str(tmp_path / "dump"),
+        )
+    )
     code, out, _ = run(capsys, tmp_path / "dump", "--against", "self")
-    assert code == 0 and rows(out)["per-token loss"].startswith("pass") and rows(out)["gradient"].startswith("pass"), out
+    assert code == 0 and rows(out)["per-token loss"].startswith("pass") and rows(out)["gradient"].startswith("pass"), (
+        out
+    )
 
 
 def test_the_recommended_task_mixes_prompt_lengths():

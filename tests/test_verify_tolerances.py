@@ -9,17 +9,25 @@ import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
+from test_verify import rows, run
 
 import grpo
 import ppo
 import verify
-from test_verify import rows, run
 
 # verify.py's tolerances as documented (README, "Tolerances"; verify.py): written here, so a loosened one fails
-DOCUMENTED = {"advantages": ("rel", 1e-5), "rewards": ("abs", 1e-6), "returns": ("abs", 1e-6),
-              "kl_coef": ("rel", 1e-6), "log-probs": ("abs", 1e-5), "kl": ("rel", 1e-6),
-              "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6), "gradient": ("rel", 1e-5),
-              "update": ("abs", 1e-3)}  # fmt: skip
+DOCUMENTED = {
+    "advantages": ("rel", 1e-5),
+    "rewards": ("abs", 1e-6),
+    "returns": ("abs", 1e-6),
+    "kl_coef": ("rel", 1e-6),
+    "log-probs": ("abs", 1e-5),
+    "kl": ("rel", 1e-6),
+    "per-token loss": ("abs", 1e-6),
+    "loss": ("abs", 1e-6),
+    "gradient": ("rel", 1e-5),
+    "update": ("abs", 1e-3),
+}
 ADAPTER = """
 import torch
 import verify
@@ -74,11 +82,32 @@ def test_the_tolerances_are_the_documented_ones():
 def dumps(tmp_path_factory):
     """verify.py's recommended dumps (its docstring), so that every row's branches are exercised."""
     folder = tmp_path_factory.mktemp("near-miss")
-    flags = dict(seed=3, task="copy:1-3", num_steps=3, learning_rate=1e-2, clip_low=0.05, clip_high=0.05,
-                 max_new_tokens=4, temperature=0.8, sample_every=0, output_dir=str(folder / "runs"))  # fmt: skip
+    flags = dict(
+        seed=3,
+        task="copy:1-3",
+        num_steps=3,
+        learning_rate=1e-2,
+        clip_low=0.05,
+        clip_high=0.05,
+        max_new_tokens=4,
+        temperature=0.8,
+        sample_every=0,
+        output_dir=str(folder / "runs"),
+    )
     grpo.main(grpo.Args(**flags, num_iterations=2, beta=0.1, weight_decay=0.1, dump_dir=str(folder / "grpo")))
-    ppo.main(ppo.Args(**flags, prompts_per_step=16, critic_learning_rate=1e-2, cliprange_value=0.01, target_kl=2,
-                      kl_horizon=100, gamma=0.95, micro_batch_size=4, dump_dir=str(folder / "ppo")))  # fmt: skip
+    ppo.main(
+        ppo.Args(
+            **flags,
+            prompts_per_step=16,
+            critic_learning_rate=1e-2,
+            cliprange_value=0.01,
+            target_kl=2,
+            kl_horizon=100,
+            gamma=0.95,
+            micro_batch_size=4,
+            dump_dir=str(folder / "ppo"),
+        )
+    )
     return {"grpo": str(folder / "grpo"), "ppo": str(folder / "ppo")}
 
 
@@ -89,11 +118,26 @@ def verify_with(capsys, tmp_path, dump, quantity, delta):
     return code, rows(out)[quantity], out
 
 
-@pytest.mark.parametrize("script, quantity", [
-    ("grpo", "advantages"), ("grpo", "log-probs"), ("grpo", "kl"), ("grpo", "per-token loss"), ("grpo", "loss"),
-    ("grpo", "gradient"), ("ppo", "advantages"), ("ppo", "rewards"), ("ppo", "returns"), ("ppo", "kl_coef"),
-    ("ppo", "log-probs"), ("ppo", "kl"), ("ppo", "per-token loss"), ("ppo", "loss"), ("ppo", "gradient"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "script, quantity",
+    [
+        ("grpo", "advantages"),
+        ("grpo", "log-probs"),
+        ("grpo", "kl"),
+        ("grpo", "per-token loss"),
+        ("grpo", "loss"),
+        ("grpo", "gradient"),
+        ("ppo", "advantages"),
+        ("ppo", "rewards"),
+        ("ppo", "returns"),
+        ("ppo", "kl_coef"),
+        ("ppo", "log-probs"),
+        ("ppo", "kl"),
+        ("ppo", "per-token loss"),
+        ("ppo", "loss"),
+        ("ppo", "gradient"),
+    ],
+)
 def test_a_near_miss_fails_its_row(dumps, capsys, tmp_path, script, quantity):
     tolerance = DOCUMENTED[quantity][1]
     code, result, out = verify_with(capsys, tmp_path, dumps[script], quantity, 1.5 * tolerance)

@@ -31,13 +31,16 @@ def adapter_gradients(adapter, models, batch, args):
     if not (torch.is_tensor(out) and out.numel() == 1 and out.requires_grad):
         what = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
         what += "" if not torch.is_tensor(out) or out.requires_grad else " without autograd (requires_grad False)"
-        raise AdapterError(f"adapter {adapter.label!r}: train_loss() returned {what}: return the scalar loss tensor "
-                           "before .item() or .detach()")  # fmt: skip
+        raise AdapterError(
+            f"adapter {adapter.label!r}: train_loss() returned {what}: return the scalar loss tensor "
+            "before .item() or .detach()"
+        )
     try:
         out.reshape(()).backward()
     except Exception as e:
-        raise AdapterError(f"adapter {adapter.label!r}: train_loss()'s backward raised {type(e).__name__}: "
-                           f"{one_line(e)}") from None  # fmt: skip
+        raise AdapterError(
+            f"adapter {adapter.label!r}: train_loss()'s backward raised {type(e).__name__}: {one_line(e)}"
+        ) from None
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
     return torch.cat([g.flatten() for g in grads]), None
 
@@ -50,7 +53,9 @@ def check_logprobs(report, adapter, ref, step, model, batch, expected, what, ini
         compare(report, "log-probs", step, adapter, "token_logprobs", theirs, expected, mask, what)
         if theirs is not None and initial is not None and "ref_logp" in batch:
             reference, _ = call(adapter, "token_logprobs", copy.deepcopy(initial).eval(), batch, args)
-            compare(report, "log-probs", step, adapter, "token_logprobs", reference, batch["ref_logp"], mask, "ref_logp")
+            compare(
+                report, "log-probs", step, adapter, "token_logprobs", reference, batch["ref_logp"], mask, "ref_logp"
+            )
     report.skip("log-probs", why)
     report.exercise("log-probs", "left padding (prompts of different lengths)", (batch["prompt_mask"] == 0).any())
     report.exercise("log-probs", EARLY, (mask[:, -1] == 0).any())

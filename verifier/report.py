@@ -13,8 +13,18 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-QUANTITIES = ["advantages", "rewards", "returns", "kl_coef", "log-probs", "kl", "per-token loss", "loss", "gradient",
-              "update"]  # fmt: skip
+QUANTITIES = [
+    "advantages",
+    "rewards",
+    "returns",
+    "kl_coef",
+    "log-probs",
+    "kl",
+    "per-token loss",
+    "loss",
+    "gradient",
+    "update",
+]
 # (kind, value): "abs" bounds max |ours - theirs| over the real tokens, "rel" bounds it over max |ours|. Whitened
 # or normalised quantities (advantages), scale-free ones (gradient, kl_coef) and the KL (it grows with the
 # policy's distance from the reference: float noise with it) are relative. Float32 on CPU; a
@@ -22,12 +32,29 @@ QUANTITIES = ["advantages", "rewards", "returns", "kl_coef", "log-probs", "kl", 
 # 0 by up to the learning rate either way in two right implementations: after two steps at lr 1e-2, TRL's log-probs
 # are 1.2e-4 from ours; wrong Adam betas (0.99) give 1e-2, a reset optimizer 3: the update gets 1e-3.
 TOLERANCES = {
-    "advantages": ("rel", 1e-5), "rewards": ("abs", 1e-6), "returns": ("abs", 1e-6), "kl_coef": ("rel", 1e-6),
-    "log-probs": ("abs", 1e-5), "kl": ("rel", 1e-6), "per-token loss": ("abs", 1e-6), "loss": ("abs", 1e-6),
-    "gradient": ("rel", 1e-5), "update": ("abs", 1e-3),
-}  # fmt: skip
-FUNCTIONS = ["group_advantages", "gae", "rewards", "kl_coef", "token_logprobs", "kl", "per_token_loss", "loss",
-             "train_loss", "update"]  # fmt: skip
+    "advantages": ("rel", 1e-5),
+    "rewards": ("abs", 1e-6),
+    "returns": ("abs", 1e-6),
+    "kl_coef": ("rel", 1e-6),
+    "log-probs": ("abs", 1e-5),
+    "kl": ("rel", 1e-6),
+    "per-token loss": ("abs", 1e-6),
+    "loss": ("abs", 1e-6),
+    "gradient": ("rel", 1e-5),
+    "update": ("abs", 1e-3),
+}
+FUNCTIONS = [
+    "group_advantages",
+    "gae",
+    "rewards",
+    "kl_coef",
+    "token_logprobs",
+    "kl",
+    "per_token_loss",
+    "loss",
+    "train_loss",
+    "update",
+]
 # Tensors of a PPO dump that belong to its one dumped micro-batch, or to the whole step (not one row each).
 MICRO_KEYS = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 STEP_KEYS = ("eos_ids", "kl_coef", "loss", "minibatches")
@@ -146,8 +173,10 @@ def load_dump(dump_dir):
     fields, notes = script_fields(args["script"]), []
     unknown = sorted(set(args) - set(fields) - {"script"})
     if unknown:
-        raise VerifyError(f"{meta_path} says {args['script']}.py but holds flags it has not ({', '.join(unknown[:4])}):"
-                          " the metadata of another script or version; make the dump again with this version")
+        raise VerifyError(
+            f"{meta_path} says {args['script']}.py but holds flags it has not ({', '.join(unknown[:4])}):"
+            " the metadata of another script or version; make the dump again with this version"
+        )
     missing = sorted(set(fields) - set(args))
     if missing:
         args.update({k: fields[k] for k in missing})
@@ -183,8 +212,12 @@ def call(adapter, name, *args):
         return None, f"adapter has no {name}()"
     # Copies of the batch's tensors and of the run's args: an adapter that writes into them cannot change later
     # checks (update()'s state, the one other dict, is the adapter's to keep).
-    args = [{k: v.clone() if torch.is_tensor(v) else v for k, v in a.items()}
-            if isinstance(a, dict) and ("completion_mask" in a or "script" in a) else a for a in args]  # fmt: skip
+    args = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in a.items()}
+        if isinstance(a, dict) and ("completion_mask" in a or "script" in a)
+        else a
+        for a in args
+    ]
     try:
         out = fn(*args)
     except NotImplementedError as e:
@@ -196,8 +229,10 @@ def call(adapter, name, *args):
     except Exception as e:
         raise AdapterError(f"adapter {adapter.label!r}: {name}() raised {type(e).__name__}: {one_line(e)}") from None
     if out is None and name not in ("update", "setup"):
-        raise AdapterError(f"adapter {adapter.label!r}: {name}() returned None: return its value, or raise "
-                           "NotImplementedError(reason) to skip the check")  # fmt: skip
+        raise AdapterError(
+            f"adapter {adapter.label!r}: {name}() returned None: return its value, or raise "
+            "NotImplementedError(reason) to skip the check"
+        )
     return out, None
 
 
@@ -205,7 +240,9 @@ def as_tensor(adapter, name, value):
     try:
         return torch.as_tensor(value.detach() if torch.is_tensor(value) else value).float().cpu()
     except Exception:
-        raise AdapterError(f"adapter {adapter.label!r}: {name}() returned {type(value).__name__}, not a tensor") from None
+        raise AdapterError(
+            f"adapter {adapter.label!r}: {name}() returned {type(value).__name__}, not a tensor"
+        ) from None
 
 
 class Report:
@@ -213,8 +250,10 @@ class Report:
     dump could not exercise (a condition no step met), and a known difference accepted by --accept."""
 
     def __init__(self, tolerances):
-        self.rows = {q: dict(steps={}, abs=0.0, rel=0.0, skip=None, nonfinite=False, conditions={}, known=None)
-                     for q in QUANTITIES}  # fmt: skip
+        self.rows = {
+            q: dict(steps={}, abs=0.0, rel=0.0, skip=None, nonfinite=False, conditions={}, known=None)
+            for q in QUANTITIES
+        }
         self.tolerances = tolerances
 
     def skip(self, quantity, reason):
@@ -241,7 +280,10 @@ class Report:
         else:
             diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
             scale = expected.abs().max().item() if expected.numel() else 0.0
-        diffs, at_step = dict(abs=diff, rel=diff / max(scale, 1e-30)), row["steps"].setdefault(step, dict(abs=0.0, rel=0.0))
+        diffs, at_step = (
+            dict(abs=diff, rel=diff / max(scale, 1e-30)),
+            row["steps"].setdefault(step, dict(abs=0.0, rel=0.0)),
+        )
         for kind, value in diffs.items():
             row[kind], at_step[kind] = max(row[kind], value), max(at_step[kind], value)
         row["skip"] = None
@@ -269,8 +311,9 @@ class Report:
             kind, tol = self.tolerances[q]
             if row["steps"]:
                 steps = ",".join(map(str, sorted(row["steps"])))
-                lines.append(f"| {q} | {steps} | {row['abs']:.2e} | {row['rel']:.2e} | {kind} {tol:.0e} | "
-                             f"{self.result(q)} |")  # fmt: skip
+                lines.append(
+                    f"| {q} | {steps} | {row['abs']:.2e} | {row['rel']:.2e} | {kind} {tol:.0e} | {self.result(q)} |"
+                )
             elif row["skip"]:
                 lines.append(f"| {q} | - | - | - | {kind} {tol:.0e} | skip: {row['skip']} |")
         return "\n".join(lines)
@@ -307,8 +350,10 @@ def compare(report, quantity, step, adapter, fn, value, expected, mask=None, wha
         return report.skip(quantity, f"the dump has no {what}")
     actual = as_tensor(adapter, fn, value)
     if actual.shape != expected.shape:
-        raise AdapterError(f"adapter {adapter.label!r}: {fn}() returned shape {tuple(actual.shape)} at step {step}; "
-                           f"the dump's {what} is {tuple(expected.shape)}")  # fmt: skip
+        raise AdapterError(
+            f"adapter {adapter.label!r}: {fn}() returned shape {tuple(actual.shape)} at step {step}; "
+            f"the dump's {what} is {tuple(expected.shape)}"
+        )
     report.add(quantity, step, actual, expected, mask, what)
 
 
@@ -326,12 +371,17 @@ def loss_conditions(report, quantities, ref, batch, args):
         report.exercise(q, EARLY, ends_early)  # the aggregation's denominators differ
         report.exercise(q, "a ratio clipped below with A < 0", (low & (adv < 0)).any())
         report.exercise(q, "a ratio clipped above with A > 0", (high & (adv > 0)).any())
-        report.exercise(q, "a ratio out of the clip range where the clip does not bind", ((low & (adv > 0)) |
-                        (high & (adv < 0))).any())  # fmt: skip
+        report.exercise(
+            q,
+            "a ratio out of the clip range where the clip does not bind",
+            ((low & (adv > 0)) | (high & (adv < 0))).any(),
+        )
         if "new_values" in terms and "old_values" in terms:
             moved = (terms["new_values"] - terms["old_values"])[real]
             report.exercise(q, "values moved from the rollout's", (moved != 0).any())
-            report.exercise(q, "a value clipped (|V - V_old| > cliprange_value)", (moved.abs() > args["cliprange_value"]).any())
+            report.exercise(
+                q, "a value clipped (|V - V_old| > cliprange_value)", (moved.abs() > args["cliprange_value"]).any()
+            )
             report.exercise(q, "a micro-batch smaller than its minibatch", batch["num_seqs"] > len(real))
         elif "kl_ref" in terms:
             report.exercise(q, "a KL that is not 0", (terms["kl_ref"][real] != 0).any())

@@ -59,7 +59,9 @@ def status_of(returncode):
     3 internal error, 4 usage error (a bad selection), 5 no tests collected (only after the rest of the suite)."""
     if returncode == "timeout":
         return "TIMEOUT"
-    return {0: "SURVIVED", 1: "killed", 2: "killed (collection error)"}.get(returncode, f"ERROR (pytest exit {returncode})")
+    return {0: "SURVIVED", 1: "killed", 2: "killed (collection error)"}.get(
+        returncode, f"ERROR (pytest exit {returncode})"
+    )
 
 
 def whole_files(selection):
@@ -94,9 +96,14 @@ def main():
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per mutant (default 1200)")
     parser.add_argument("--own", action="store_true", help="run each mutant's own selection only, slow tests included")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each selection")
-    parser.add_argument("--rev", metavar="REV", help="mutate this git revision (git archive) instead of the working tree")
-    parser.add_argument("--mutants", metavar="FILE.py",
-                        help="a file defining MUTANTS in the same format (default: the copy's tests/mutants/mutants.py)")
+    parser.add_argument(
+        "--rev", metavar="REV", help="mutate this git revision (git archive) instead of the working tree"
+    )
+    parser.add_argument(
+        "--mutants",
+        metavar="FILE.py",
+        help="a file defining MUTANTS in the same format (default: the copy's tests/mutants/mutants.py)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
@@ -131,7 +138,10 @@ def main():
             with open(path, "w", encoding="utf-8") as f:
                 f.write(original)
             code, seconds, first = run_pytest(repo, selection, args.timeout)
-            print(f"baseline {' '.join(selection)}: {'FAILS' if code not in (0, 5) else 'passes'} ({seconds:.0f} s)", flush=True)
+            print(
+                f"baseline {' '.join(selection)}: {'FAILS' if code not in (0, 5) else 'passes'} ({seconds:.0f} s)",
+                flush=True,
+            )
             if code not in (0, 5):
                 raise BaselineFails(first)
             checked.add(selection)

@@ -30,10 +30,17 @@ import types
 
 import torch
 
-SITE = os.environ.get("OPENRLHF_SITE") or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                                       ".openrlhf-site")  # fmt: skip
-PACKAGES = ["openrlhf", "openrlhf.models", "openrlhf.utils", "openrlhf.trainer", "openrlhf.trainer.ppo_utils",
-            "openrlhf.trainer.ray"]  # fmt: skip
+SITE = os.environ.get("OPENRLHF_SITE") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".openrlhf-site"
+)
+PACKAGES = [
+    "openrlhf",
+    "openrlhf.models",
+    "openrlhf.utils",
+    "openrlhf.trainer",
+    "openrlhf.trainer.ppo_utils",
+    "openrlhf.trainer.ray",
+]
 
 
 @contextlib.contextmanager
@@ -53,11 +60,14 @@ def _stubbed(names):
 
 
 def _load():
-    root = next((p for p in [*sys.path, SITE] if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))),
-                None)  # fmt: skip
+    root = next(
+        (p for p in [*sys.path, SITE] if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None
+    )
     if root is None:
-        raise ImportError(f"no openrlhf in PYTHONPATH or {SITE}: pip install --no-deps --target .openrlhf-site -r "
-                          "requirements/openrlhf.txt")  # fmt: skip
+        raise ImportError(
+            f"no openrlhf in PYTHONPATH or {SITE}: pip install --no-deps --target .openrlhf-site -r "
+            "requirements/openrlhf.txt"
+        )
     for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
         if name not in sys.modules:
             package = types.ModuleType(name)
@@ -65,8 +75,15 @@ def _load():
             sys.modules[name] = package
     with _stubbed(["deepspeed", "ray", "openrlhf.trainer.ray.launcher"]) as stubs:
         stubs["openrlhf.trainer.ray.launcher"].RayActorGroup = object
-        modules = [importlib.import_module(f"openrlhf.{m}") for m in ("models.utils", "models.loss",
-                   "trainer.ppo_utils.experience_maker", "trainer.ppo_utils.kl_controller")]  # fmt: skip
+        modules = [
+            importlib.import_module(f"openrlhf.{m}")
+            for m in (
+                "models.utils",
+                "models.loss",
+                "trainer.ppo_utils.experience_maker",
+                "trainer.ppo_utils.kl_controller",
+            )
+        ]
     return modules
 
 
@@ -82,12 +99,16 @@ def known_differences(args, options):
     """{quantity: the difference and where it is in OpenRLHF}: the ones --accept can take, for this dump."""
     out = {}
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and args["adv_eps"] != 1e-9:
-        out["advantages"] = (f"OpenRLHF's group_norm divides by std + 1e-9 (experience_maker.py), grpo.py by std + "
-                             f"--adv-eps {args['adv_eps']:g}: a dump with --adv-eps 1e-9 matches")  # fmt: skip
+        out["advantages"] = (
+            f"OpenRLHF's group_norm divides by std + 1e-9 (experience_maker.py), grpo.py by std + "
+            f"--adv-eps {args['adv_eps']:g}: a dump with --adv-eps 1e-9 matches"
+        )
     if args["script"] == "ppo" and args["target_kl"] is not None:
-        out["kl_coef"] = ("OpenRLHF feeds AdaptiveKLController the mean over completions of each one's per-token "
-                          "mean KL (ppo_trainer.py, status['kl']), ppo.py the summed KL per completion (Ziegler "
-                          "et al. 2019)")  # fmt: skip
+        out["kl_coef"] = (
+            "OpenRLHF feeds AdaptiveKLController the mean over completions of each one's per-token "
+            "mean KL (ppo_trainer.py, status['kl']), ppo.py the summed KL per completion (Ziegler "
+            "et al. 2019)"
+        )
     return out
 
 
@@ -95,11 +116,14 @@ def differences(args, options):
     out = list(known_differences(args, options).values())
     if args["script"] == "ppo":
         if args["missing_eos_penalty"] > 0:
-            out.append("OpenRLHF has no subtractive missing-EOS penalty (its stop-properly penalty scales or replaces "
-                       "the score): the adapter subtracts --missing-eos-penalty from the score it passes to "
-                       "compute_reward")  # fmt: skip
-        out.append("whitening: OpenRLHF takes rsqrt(max(var, 1e-8)), ppo.py rsqrt(var + --adv-eps): the same to "
-                   "1e-8 / var")  # fmt: skip
+            out.append(
+                "OpenRLHF has no subtractive missing-EOS penalty (its stop-properly penalty scales or replaces "
+                "the score): the adapter subtracts --missing-eos-penalty from the score it passes to "
+                "compute_reward"
+            )
+        out.append(
+            "whitening: OpenRLHF takes rsqrt(max(var, 1e-8)), ppo.py rsqrt(var + --adv-eps): the same to 1e-8 / var"
+        )
     out.append("OpenRLHF clamps the log-ratio to [-20, 20] and its KL estimates to [-10, 10]: only extreme ratios")
     return out
 
@@ -110,8 +134,10 @@ def _unsupported(args):
     if args["importance_level"] == "sequence":
         raise NotImplementedError("OpenRLHF's GSPO forces a per-sample loss mean: not wired here")
     if args["beta"] > 0 and args["bias_corrected_kl"]:
-        raise NotImplementedError("OpenRLHF has no ratio-weighted k3 (--bias-corrected-kl; its unbiased_gradient "
-                                  "is another estimator): make the dump with --no-bias-corrected-kl")  # fmt: skip
+        raise NotImplementedError(
+            "OpenRLHF has no ratio-weighted k3 (--bias-corrected-kl; its unbiased_gradient "
+            "is another estimator): make the dump with --no-bias-corrected-kl"
+        )
     if args["loss_agg"] == "seq-mean-token-sum-norm":
         raise NotImplementedError("OpenRLHF aggregates by token mean or sample mean only")
 
@@ -125,13 +151,17 @@ def _maker(args, kl_coef):
     else:
         estimator, gamma, lam = "gae", args["gamma"], args["lam"]
     config = types.SimpleNamespace(
-        algo=types.SimpleNamespace(advantage=types.SimpleNamespace(estimator=estimator, gamma=gamma, lambd=lam,
-                                                                   no_std_norm=False)),
+        algo=types.SimpleNamespace(
+            advantage=types.SimpleNamespace(estimator=estimator, gamma=gamma, lambd=lam, no_std_norm=False)
+        ),
         rollout=types.SimpleNamespace(n_samples_per_prompt=_group(args)),
         reward=types.SimpleNamespace(clip_range=None, overlong_buffer_len=None, stop_properly_penalty_coef=None),
-    )  # fmt: skip
-    maker = types.SimpleNamespace(strategy=types.SimpleNamespace(args=config), advantage_estimator=estimator,
-                                  kl_ctl=types.SimpleNamespace(value=kl_coef))  # fmt: skip
+    )
+    maker = types.SimpleNamespace(
+        strategy=types.SimpleNamespace(args=config),
+        advantage_estimator=estimator,
+        kl_ctl=types.SimpleNamespace(value=kl_coef),
+    )
     cls = experience_maker.RemoteExperienceMaker
     maker.get_advantages_and_returns = functools.partial(cls.get_advantages_and_returns, maker)
     maker.get_cumulative_returns = functools.partial(cls.get_cumulative_returns, maker)
@@ -141,8 +171,14 @@ def _maker(args, kl_coef):
 def _advantages(batch, args, scores, kl, kl_coef, token_rewards=None):
     """compute_advantages_and_returns on one experience; `token_rewards` replaces compute_reward's result."""
     mask = batch["completion_mask"]
-    experience = types.SimpleNamespace(rewards=scores.clone(), index=list(range(len(mask))), kl=kl,
-                                       action_mask=mask, values=batch.get("values"), info={})  # fmt: skip
+    experience = types.SimpleNamespace(
+        rewards=scores.clone(),
+        index=list(range(len(mask))),
+        kl=kl,
+        action_mask=mask,
+        values=batch.get("values"),
+        info={},
+    )
     compute_reward = experience_maker.compute_reward
     if token_rewards is not None:
         experience_maker.compute_reward = lambda *a, **k: token_rewards
@@ -223,8 +259,14 @@ def _losses(new_logp, batch, args, mask, new_values=None, denominators=None):
 def per_token_loss(batch, args):
     """d(sum_t m_t L_t) / d m_t = L_t: the token-level reduction's gradient with respect to the mask."""
     mask = batch["completion_mask"].float().requires_grad_(True)
-    token_sum = _losses(batch["new_logp"], dict(batch, num_tokens=1), dict(args, loss_agg="token-mean"), mask,
-                        batch.get("new_values"), dict(batch_num_tokens=1))  # fmt: skip
+    token_sum = _losses(
+        batch["new_logp"],
+        dict(batch, num_tokens=1),
+        dict(args, loss_agg="token-mean"),
+        mask,
+        batch.get("new_values"),
+        dict(batch_num_tokens=1),
+    )
     (per_token,) = torch.autograd.grad(token_sum, mask)
     return per_token
 

@@ -13,9 +13,8 @@ import torch
 
 import common
 import grpo
-from machinery import lora
-from machinery import models
 import ppo
+from machinery import lora, models
 
 ALGORITHMS = {"grpo": grpo, "ppo": ppo}
 
@@ -51,8 +50,9 @@ def outputs(model, batch, args, critic=None):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     mask = batch["completion_mask"]
-    new_logp, entropy = common.token_logprobs(model, input_ids, attention_mask, mask, args["temperature"],
-                                              return_entropy=True, entropy_grad=True)  # fmt: skip
+    new_logp, entropy = common.token_logprobs(
+        model, input_ids, attention_mask, mask, args["temperature"], return_entropy=True, entropy_grad=True
+    )
     out = dict(new_logp=new_logp, entropy=entropy)
     if args["script"] == "ppo":  # no critic (--vf-coef 0): values of 0, as in ppo.py
         out["new_values"] = ppo.token_values(critic, input_ids, attention_mask, mask)

@@ -37,13 +37,17 @@ def differences(args, options):
     out = []
     if options["use_bias_correction_kl"] != bool(args.get("bias_corrected_kl")) and args["beta"] > 0:
         ours, theirs = bool(args.get("bias_corrected_kl")), options["use_bias_correction_kl"]
-        out.append(f"TRL use_bias_correction_kl={theirs}, grpo.py --bias-corrected-kl {ours}: one of them "
-                   "weights the k3 term by the ratio exp(logp - old_logp) (the same value at ratio 1, but its "
-                   "gradient gains beta * kl * grad logp): pass --bias-corrected-kl to grpo.py, or --set "
-                   "use_bias_correction_kl=false here")  # fmt: skip
+        out.append(
+            f"TRL use_bias_correction_kl={theirs}, grpo.py --bias-corrected-kl {ours}: one of them "
+            "weights the k3 term by the ratio exp(logp - old_logp) (the same value at ratio 1, but its "
+            "gradient gains beta * kl * grad logp): pass --bias-corrected-kl to grpo.py, or --set "
+            "use_bias_correction_kl=false here"
+        )
     if args["weight_decay"] > 0 and args.get("decay_norms_and_biases", True):
-        out.append("the HF Trainer leaves biases and norm weights out of weight decay, grpo.py decays every "
-                   "weight: the update differs by lr * weight_decay * w on those weights")  # fmt: skip
+        out.append(
+            "the HF Trainer leaves biases and norm weights out of weight decay, grpo.py decays every "
+            "weight: the update differs by lr * weight_decay * w on those weights"
+        )
     if args["warmup_steps"] > 0:
         out.append("warmup: grpo.py's step s has lr * (s + 1) / (warmup + 1), the HF Trainer's lr * s / warmup")
     return out
@@ -55,25 +59,43 @@ def setup(args, options, model):
         raise NotImplementedError("it covers GRPOTrainer (TRL 1.16 ships no PPO trainer): use --against verl")
     with _quiet_warnings():  # transformers' deprecation notices about fields TRL still sets
         config = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="verify-trl-"), report_to=[], use_cpu=True, bf16=False,
-            seed=args["seed"], per_device_train_batch_size=args["prompts_per_step"] * args["group_size"],
-            gradient_accumulation_steps=1, num_generations=args["group_size"],
-            max_completion_length=args["max_new_tokens"], temperature=args["temperature"], beta=args["beta"],
-            epsilon=args["clip_low"], epsilon_high=args["clip_high"], num_iterations=args["num_iterations"],
-            loss_type=LOSS_TYPES[args["loss_agg"]], scale_rewards=args["scale_rewards"],
+            output_dir=tempfile.mkdtemp(prefix="verify-trl-"),
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=args["seed"],
+            per_device_train_batch_size=args["prompts_per_step"] * args["group_size"],
+            gradient_accumulation_steps=1,
+            num_generations=args["group_size"],
+            max_completion_length=args["max_new_tokens"],
+            temperature=args["temperature"],
+            beta=args["beta"],
+            epsilon=args["clip_low"],
+            epsilon_high=args["clip_high"],
+            num_iterations=args["num_iterations"],
+            loss_type=LOSS_TYPES[args["loss_agg"]],
+            scale_rewards=args["scale_rewards"],
             importance_sampling_level=args["importance_level"],
-            use_bias_correction_kl=options["use_bias_correction_kl"], learning_rate=args["learning_rate"],
-            weight_decay=args["weight_decay"], max_grad_norm=args["max_grad_norm"],
-            lr_scheduler_type="constant", save_strategy="no", logging_strategy="no",
-        )  # fmt: skip
+            use_bias_correction_kl=options["use_bias_correction_kl"],
+            learning_rate=args["learning_rate"],
+            weight_decay=args["weight_decay"],
+            max_grad_norm=args["max_grad_norm"],
+            lr_scheduler_type="constant",
+            save_strategy="no",
+            logging_strategy="no",
+        )
     tokenizer = state["tokenizer"] = _tokenizer(model)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     with _quiet_warnings():
         trainer = GRPOTrainer(
-            model=model, reward_funcs=[_stored_rewards], args=config, processing_class=tokenizer,
-            train_dataset=Dataset.from_dict({"prompt": [""]}), rollout_func=_stored_rollout,
-        )  # fmt: skip
+            model=model,
+            reward_funcs=[_stored_rewards],
+            args=config,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": [""]}),
+            rollout_func=_stored_rollout,
+        )
     hf_logging.set_verbosity(verbosity)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is never called here
     trainer.model.train()
@@ -111,8 +133,10 @@ def _stored_rewards(prompts, completions, row, **kwargs):
 def _prepare(batch):
     """TRL's own inputs for this batch: padding, masks, reference log-probs, advantages."""
     state["batch"] = batch
-    rows = [{"prompt": state["tokenizer"].decode(ids[m.bool()]), "row": i}
-            for i, (ids, m) in enumerate(zip(batch["prompt_ids"], batch["prompt_mask"]))]  # fmt: skip
+    rows = [
+        {"prompt": state["tokenizer"].decode(ids[m.bool()]), "row": i}
+        for i, (ids, m) in enumerate(zip(batch["prompt_ids"], batch["prompt_mask"]))
+    ]
     with _quiet_warnings():
         inputs = state["trainer"]._generate_and_score_completions(rows)
     for key in ("prompt_ids", "completion_mask"):  # TRL pads them itself: it must land on the dump's

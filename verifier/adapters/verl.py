@@ -41,31 +41,49 @@ def setup(args, chosen, model):
 def differences(args, chosen):
     out = []
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and chosen["epsilon"] != 1e-4:
-        out.append(f"GRPO advantages: verl divides by std + {chosen['epsilon']:g}, grpo.py by std + 1e-4 "
-                   "(--set epsilon=1e-4 matches)")  # fmt: skip
+        out.append(
+            f"GRPO advantages: verl divides by std + {chosen['epsilon']:g}, grpo.py by std + 1e-4 "
+            "(--set epsilon=1e-4 matches)"
+        )
     if args["script"] == "ppo":
-        out.append("GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), "
-                   "ppo.py with the population variance; verl also carries values across masked holes (dumps "
-                   "have none)")
+        out.append(
+            "GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), "
+            "ppo.py with the population variance; verl also carries values across masked holes (dumps "
+            "have none)"
+        )
     if args.get("loss_agg") == "seq-mean-token-sum-norm" and not chosen["loss_scale_factor"]:
-        out.append("seq-mean-token-sum-norm: verl divides by the padded width T, grpo.py by --max-new-tokens "
-                   f"({args['max_new_tokens']}): they agree only when a completion reaches it "
-                   f"(--set loss_scale_factor={args['max_new_tokens']} matches)")  # fmt: skip
+        out.append(
+            "seq-mean-token-sum-norm: verl divides by the padded width T, grpo.py by --max-new-tokens "
+            f"({args['max_new_tokens']}): they agree only when a completion reaches it "
+            f"(--set loss_scale_factor={args['max_new_tokens']} matches)"
+        )
     if args.get("loss_agg", "").startswith("seq-mean"):
-        out.append("seq-mean aggregations: verl averages over non-empty sequences, grpo.py over all (the same "
-                   "unless a completion has no token)")
-    out.append("verl's dual-clip (clip_ratio_c 3, for negative advantages) and its k3 clamp to [-10, 10] act "
-               "only on extreme ratios")  # fmt: skip
+        out.append(
+            "seq-mean aggregations: verl averages over non-empty sequences, grpo.py over all (the same "
+            "unless a completion has no token)"
+        )
+    out.append(
+        "verl's dual-clip (clip_ratio_c 3, for negative advantages) and its k3 clamp to [-10, 10] act "
+        "only on extreme ratios"
+    )
     return out
 
 
 def _config(args, batch):
     """verl's actor config for this run, with the batch's global denominators (as its ppo_loss sets them)."""
-    config = ActorConfig(strategy="fsdp", rollout_n=args.get("group_size", 1), use_dynamic_bsz=True,
-                         clip_ratio_low=args["clip_low"], clip_ratio_high=args["clip_high"])  # fmt: skip
-    config.global_batch_info.update(dp_size=1, batch_num_tokens=batch["num_tokens"],
-                                    global_batch_size=batch["num_seqs"],
-                                    loss_scale_factor=options["loss_scale_factor"] or None)  # fmt: skip
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=args.get("group_size", 1),
+        use_dynamic_bsz=True,
+        clip_ratio_low=args["clip_low"],
+        clip_ratio_high=args["clip_high"],
+    )
+    config.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=batch["num_tokens"],
+        global_batch_size=batch["num_seqs"],
+        loss_scale_factor=options["loss_scale_factor"] or None,
+    )
     return config
 
 
@@ -97,8 +115,12 @@ def token_logprobs(model, batch, args):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     T = batch["completion_ids"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   position_ids=compute_position_id_with_mask(attention_mask)).logits  # fmt: skip
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        position_ids=compute_position_id_with_mask(attention_mask),
+    ).logits
     logits = logits[:, -T - 1 : -1].float() / args["temperature"]
     return verl_F.logprobs_from_logits(logits, batch["completion_ids"]) * batch["completion_mask"]
 
@@ -115,8 +137,11 @@ def _losses(new_logp, batch, args, agg, mask, new_values=None):
     _no_bias_correction(args)
     config = _config(args, batch)
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
-    policy_loss = core_algos.compute_policy_loss_gspo if args.get("importance_level") == "sequence" else \
-        core_algos.compute_policy_loss_vanilla  # fmt: skip
+    policy_loss = (
+        core_algos.compute_policy_loss_gspo
+        if args.get("importance_level") == "sequence"
+        else core_algos.compute_policy_loss_vanilla
+    )
     advantages = batch["advantages"]
     if args["script"] == "grpo":
         advantages = advantages[:, None].expand_as(mask)
@@ -126,9 +151,14 @@ def _losses(new_logp, batch, args, agg, mask, new_values=None):
         loss = loss + args["beta"] * core_algos.agg_loss(kld, mask, agg, **config.global_batch_info)
     if args["script"] == "ppo":
         v_loss, _ = core_algos.compute_value_loss(
-            new_values, batch["returns"], batch["values"], mask, args["cliprange_value"], agg,
+            new_values,
+            batch["returns"],
+            batch["values"],
+            mask,
+            args["cliprange_value"],
+            agg,
             **config.global_batch_info,
-        )  # fmt: skip
+        )
         loss = loss + args["vf_coef"] * v_loss
     return loss
 

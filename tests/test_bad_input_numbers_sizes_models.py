@@ -1,5 +1,5 @@
 """Bad input, third round (docs/bad_input.md, "Round three", one section a principle), principles 1 to 3: absurd
-finite numbers, impossible sizes, untrainable models. Principles 4 to 8: test_bad_input_round3_more.py.
+finite numbers, impossible sizes, untrainable models. Principles 4 to 8: test_bad_input_files_causes_processes.py.
 """
 
 import dataclasses
@@ -10,20 +10,24 @@ import typing
 
 import pytest
 import torch
+from test_bad_input_flags_and_state import run_with_flag
 
 import grpo
-from machinery import model_checks
-from machinery import models
 import ppo
+from machinery import model_checks, models
 from machinery.errors import UsageError
-from test_bad_input_principles import run_with_flag
 
 SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
 
 
 def small_args(module, tmp_path, **overrides):
-    return module.Args(**{**dict(num_steps=1, max_new_tokens=3, sample_every=0, output_dir=os.path.join(tmp_path, "runs")),
-                          **SMALL[module], **overrides})  # fmt: skip
+    return module.Args(
+        **{
+            **dict(num_steps=1, max_new_tokens=3, sample_every=0, output_dir=os.path.join(tmp_path, "runs")),
+            **SMALL[module],
+            **overrides,
+        }
+    )
 
 
 def numeric_flags(module):
@@ -60,37 +64,61 @@ def test_principle1_fuzz_every_numeric_flag_with_finite_extremes(module, name, v
 
 def test_principle1_fuzz_covers_every_numeric_flag():
     names = {name for module in (grpo, ppo) for name, _ in numeric_flags(module)}
-    assert {"seed", "num_steps", "prompts_per_step", "group_size", "samples_per_prompt", "kl_horizon", "temperature",
-            "max_grad_norm", "target_kl", "eval_every", "warmup_steps"} <= names  # fmt: skip
+    assert {
+        "seed",
+        "num_steps",
+        "prompts_per_step",
+        "group_size",
+        "samples_per_prompt",
+        "kl_horizon",
+        "temperature",
+        "max_grad_norm",
+        "target_kl",
+        "eval_every",
+        "warmup_steps",
+    } <= names
     assert len(FUZZ) >= 100
 
 
-@pytest.mark.parametrize("module, flags", [
-    (grpo, dict(temperature=100.0)), (grpo, dict(learning_rate=1e-8)), (grpo, dict(max_grad_norm=1e-6)),
-    (grpo, dict(beta=1e6)), (grpo, dict(clip_high=1e6, weight_decay=1e-30)),
-    (ppo, dict(vf_coef=1e6)), (ppo, dict(missing_eos_penalty=1e6)), (ppo, dict(kl_coef=1e6, vf_coef=1e-30)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, flags",
+    [
+        (grpo, dict(temperature=100.0)),
+        (grpo, dict(learning_rate=1e-8)),
+        (grpo, dict(max_grad_norm=1e-6)),
+        (grpo, dict(beta=1e6)),
+        (grpo, dict(clip_high=1e6, weight_decay=1e-30)),
+        (ppo, dict(vf_coef=1e6)),
+        (ppo, dict(missing_eos_penalty=1e6)),
+        (ppo, dict(kl_coef=1e6, vf_coef=1e-30)),
+    ],
+)
 def test_principle1_the_extremes_allowed_train(module, flags, tmp_path):
     """At the edges the checks allow, a step still moves the weights and keeps them finite. The reward (distinct
     characters written) differs between completions, so every step has something to learn, at any temperature."""
-    (tmp_path / "r.py").write_text("EXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(20)]\n"
-                                   "def f(p, c, a):\n    return float(len(set(c)))\n")  # fmt: skip
+    (tmp_path / "r.py").write_text(
+        "EXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(20)]\n"
+        "def f(p, c, a):\n    return float(len(set(c)))\n"
+    )
     module.main(small_args(module, tmp_path, task=f"python:{tmp_path / 'r.py'}:f", **flags))
     start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in end.values())
     assert any(not torch.equal(start[k], end[k]) for k in start), f"{flags}: the weights did not move"
 
 
-@pytest.mark.parametrize("module, flags, expected", [
-    (grpo, dict(temperature=1e-3), r"--temperature is 0\.001: use a value in \[0\.01, 100\]"),
-    (grpo, dict(temperature=1e3), r"--temperature is 1000\.0: use a value in \[0\.01, 100\]"),
-    (grpo, dict(max_grad_norm=1e-7), r"--max-grad-norm is 1e-07: it must be at least 1e-6"),
-    (grpo, dict(learning_rate=1e-9), r"--learning-rate is 1e-09: it must be at least 1e-8"),
-    (ppo, dict(critic_learning_rate=1e-9), r"--critic-learning-rate is 1e-09: it must be at least 1e-8"),
-    (grpo, dict(beta=1e-300), r"--beta is 1e-300: float32 reads it as 0; pass 0, or a value of at least 1e-30"),
-    (ppo, dict(kl_coef=1e39), r"--kl-coef is 1e\+39: it must be at most 1e6 in size"),
-    (grpo, dict(dump_dir=""), r"--dump-dir is empty: pass a folder to dump into, or leave the flag out"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, flags, expected",
+    [
+        (grpo, dict(temperature=1e-3), r"--temperature is 0\.001: use a value in \[0\.01, 100\]"),
+        (grpo, dict(temperature=1e3), r"--temperature is 1000\.0: use a value in \[0\.01, 100\]"),
+        (grpo, dict(max_grad_norm=1e-7), r"--max-grad-norm is 1e-07: it must be at least 1e-6"),
+        (grpo, dict(learning_rate=1e-9), r"--learning-rate is 1e-09: it must be at least 1e-8"),
+        (ppo, dict(critic_learning_rate=1e-9), r"--critic-learning-rate is 1e-09: it must be at least 1e-8"),
+        (grpo, dict(beta=1e-300), r"--beta is 1e-300: float32 reads it as 0; pass 0, or a value of at least 1e-30"),
+        (ppo, dict(kl_coef=1e39), r"--kl-coef is 1e\+39: it must be at most 1e6 in size"),
+        (grpo, dict(dump_dir=""), r"--dump-dir is empty: pass a folder to dump into, or leave the flag out"),
+    ],
+)
 def test_principle1_lines(module, flags, expected, tmp_path):
     with pytest.raises(UsageError, match=expected):
         module.check_args(small_args(module, tmp_path, **flags))
@@ -101,18 +129,24 @@ def test_principle1_lines(module, flags, expected, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module, flags, biggest", [
-    (grpo, dict(prompts_per_step=10**9), "the generation's KV cache"),
-    (grpo, dict(group_size=10**8), "the generation's KV cache"),
-    (ppo, dict(prompts_per_step=10**9), "the generation's KV cache"),
-    (ppo, dict(samples_per_prompt=10**8, num_minibatches=1, micro_batch_size=10**8), "the generation's KV cache"),
-    (grpo, dict(max_new_tokens=10**9), "the generation's KV cache"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, flags, biggest",
+    [
+        (grpo, dict(prompts_per_step=10**9), "the generation's KV cache"),
+        (grpo, dict(group_size=10**8), "the generation's KV cache"),
+        (ppo, dict(prompts_per_step=10**9), "the generation's KV cache"),
+        (ppo, dict(samples_per_prompt=10**8, num_minibatches=1, micro_batch_size=10**8), "the generation's KV cache"),
+        (grpo, dict(max_new_tokens=10**9), "the generation's KV cache"),
+    ],
+)
 def test_principle2_impossible_sizes_are_refused_with_the_numbers(module, flags, biggest, tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
     started = time.monotonic()
-    with pytest.raises(UsageError, match=rf"a step needs at least [\d,.e+]+ GiB \({biggest}: [\d,.e+]+ GiB\), more "
-                                         r"than the [\d,.]+ GiB of memory \(RAM\): lower --prompts-per-step"):
+    with pytest.raises(
+        UsageError,
+        match=rf"a step needs at least [\d,.e+]+ GiB \({biggest}: [\d,.e+]+ GiB\), more "
+        r"than the [\d,.]+ GiB of memory \(RAM\): lower --prompts-per-step",
+    ):
         module.main(small_args(module, tmp_path, **flags))
     assert time.monotonic() - started < 30  # refused from the flags and the config, nothing sampled
 
@@ -121,8 +155,14 @@ def test_principle2_step_bytes_counts_by_hand():
     """step_bytes against the count written out for a 2-layer model (vocab 10, hidden 8, 2 heads, MLP 16)."""
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     args = grpo.Args(prompts_per_step=3, group_size=2, max_new_tokens=4, micro_batch_size=4, beta=0.1)
     need, parts = model_checks.step_bytes(args, config)
     params = 10 * 8 + 2 * (4 * 64 + 3 * 8 * 16)
@@ -195,11 +235,14 @@ def test_principle3_token_ids_outside_the_embeddings(tiny_parts):
         models.eos_token_ids(model, models.load_tokenizer(models.TINY_MODEL))
 
 
-@pytest.mark.parametrize("template, expected", [
-    ("{{ raise_exception('no system prompt') }}", r"the chat template of 't' raised \w+ \(no system prompt\) on a"),
-    ("=", r"the chat template of 't' drops the message: 'Probe 7 \+ 5 = \?' renders as '='"),
-    ("{{ messages[0]['contnet'] }}", r"the chat template of 't' drops the message"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        ("{{ raise_exception('no system prompt') }}", r"the chat template of 't' raised \w+ \(no system prompt\) on a"),
+        ("=", r"the chat template of 't' drops the message: 'Probe 7 \+ 5 = \?' renders as '='"),
+        ("{{ messages[0]['contnet'] }}", r"the chat template of 't' drops the message"),
+    ],
+)
 def test_principle3_a_chat_template_that_raises_or_drops_the_message(tiny_parts, template, expected):
     tokenizer = tiny_parts[1]
     tokenizer.chat_template = template

@@ -13,10 +13,9 @@ import sys
 
 import pytest
 
-from machinery import errors
 import grpo
-from machinery import models
 import ppo
+from machinery import errors, models
 from tasks import Task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,16 +57,36 @@ BAD_INPUTS = [
     ("grpo", "--model /no/such/dir", r"--model '/no/such/dir' is neither a local folder nor a hub id"),
     ("ppo", "--model {garbage_model}", r"could not load .*garbage-model.*: check --model"),
     ("grpo", "--model /no/such/model.gguf", r"--model '/no/such/model\.gguf': no such \.gguf file: fix the path"),
-    ("ppo", "--critic-model /no/such/critic", r"--critic-model '/no/such/critic' is neither a local folder nor a hub id"),
-    ("grpo", "--reward-model not/a/model/path", r"--reward-model 'not/a/model/path' is neither a local folder nor a hub id"),
+    (
+        "ppo",
+        "--critic-model /no/such/critic",
+        r"--critic-model '/no/such/critic' is neither a local folder nor a hub id",
+    ),
+    (
+        "grpo",
+        "--reward-model not/a/model/path",
+        r"--reward-model 'not/a/model/path' is neither a local folder nor a hub id",
+    ),
     ("grpo", "--task nosuchtask", r"unknown task 'nosuchtask': pass --task with one of copy, "),
     ("grpo", "--task jsonl:{bad_jsonl}", r"bad\.jsonl, line 2: not valid JSON"),
     ("grpo", "--task jsonl:{tmp}/missing.jsonl", r"cannot read '.*missing\.jsonl' \(No such file or directory\)"),
-    ("grpo", "--task jsonl:{long_jsonl}", r"a prompt of task .* is 300 tokens .* more than the 256 positions of 'tiny': shorten the prompts"),
-    ("ppo", "--task jsonl:{long_jsonl}", r"is 300 tokens .* more than the 256 positions of 'tiny': shorten the prompts"),
+    (
+        "grpo",
+        "--task jsonl:{long_jsonl}",
+        r"a prompt of task .* is 300 tokens .* more than the 256 positions of 'tiny': shorten the prompts",
+    ),
+    (
+        "ppo",
+        "--task jsonl:{long_jsonl}",
+        r"is 300 tokens .* more than the 256 positions of 'tiny': shorten the prompts",
+    ),
     ("grpo", "--task countdown", r"characters the tokenizer of 'tiny' does not know"),
     # a reward function that misbehaves
-    ("grpo", "--task python:{reward_py}:raises", r"raised ZeroDivisionError: division by zero .*fix the reward function"),
+    (
+        "grpo",
+        "--task python:{reward_py}:raises",
+        r"raised ZeroDivisionError: division by zero .*fix the reward function",
+    ),
     ("ppo", "--task python:{reward_py}:nan", r"returned nan .*it must return a finite number"),
     ("grpo", "--task python:{reward_py}:string", r"returned '1' .*it must return a finite number"),
     # checkpoints
@@ -75,7 +94,11 @@ BAD_INPUTS = [
     ("grpo", "--resume {corrupt_checkpoint}", r"state\.pt cannot be read .*the checkpoint is corrupt"),
     ("grpo", "--resume {ppo_checkpoint}", r"is a checkpoint of ppo\.py, not grpo\.py: resume it with that script"),
     ("ppo", "--resume {grpo_checkpoint}", r"is a checkpoint of grpo\.py, not ppo\.py: resume it with that script"),
-    ("grpo", "--resume {grpo_checkpoint} --learning-rate 1e-3", r"was run with --learning-rate 0.0005, not 0.001: drop the flag"),
+    (
+        "grpo",
+        "--resume {grpo_checkpoint} --learning-rate 1e-3",
+        r"was run with --learning-rate 0.0005, not 0.001: drop the flag",
+    ),
     # hardware
     ("grpo", "--dtype float16", r"--dtype float16 would need loss scaling, .*: use --dtype bfloat16 or float32"),
 ]
@@ -111,12 +134,27 @@ def inputs(tmp_path_factory):
 
 
 def run_script(script, flags, output_dir, xdg_cache):
-    """--num-steps 2 first (a flag can override it): a case whose check went missing fails in seconds, not after a run."""
+    """--num-steps 2 first (a flag can override it): a case whose check went missing fails in seconds, not after a
+    run."""
     env = dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, f"{script}.py", "--num-steps", "2", *flags, "--sample-every", "0", "--output-dir", str(output_dir)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            f"{script}.py",
+            "--num-steps",
+            "2",
+            *flags,
+            "--sample-every",
+            "0",
+            "--output-dir",
+            str(output_dir),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("script, flags, expected", BAD_INPUTS, ids=[f"{s} {f}" for s, f, _ in BAD_INPUTS])
@@ -128,20 +166,27 @@ def test_bad_input_gets_a_one_line_error(script, flags, expected, inputs, tmp_pa
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: "), result.stderr
     assert re.search(expected, lines[-1]), lines[-1]
-    if any("python:" in flag for flag in flags):  # a reward function is first called at step 1: the run has started, nothing is saved
-        assert not glob.glob(str(tmp_path / "runs" / "*" / "checkpoint")) and not glob.glob(str(tmp_path / "runs" / "*" / "final"))
+    if any(
+        "python:" in flag for flag in flags
+    ):  # a reward function is first called at step 1: the run has started, nothing is saved
+        assert not glob.glob(str(tmp_path / "runs" / "*" / "checkpoint")) and not glob.glob(
+            str(tmp_path / "runs" / "*" / "final")
+        )
     else:  # everything else is refused before the run folder exists, with nothing else on stderr
         assert len(lines) == 1, result.stderr
         assert not os.path.exists(tmp_path / "runs")
 
 
 def test_a_prompt_that_just_fits_is_accepted(tiny_tokenizer, tiny_model):
-    """The length check's boundary: prompt + max_new_tokens == max_position_embeddings (256) is fine, one more is not."""
+    """The length check's boundary: prompt + max_new_tokens == max_position_embeddings (256) is fine, one more is
+    not."""
     task = Task("fits", [{"prompt": "1" * 200, "answer": "1"}], [{"prompt": "2" * 100, "answer": "2"}], None)
     models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 56, chat_template=True)
     with pytest.raises(errors.UsageError, match="is 200 tokens .*lower --max-new-tokens to 56"):
         models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 57, chat_template=True)
-    long_test = Task("long-test", task.train[:1], [{"prompt": "3" * 300, "answer": "3"}], None)  # eval reads the test split
+    long_test = Task(
+        "long-test", task.train[:1], [{"prompt": "3" * 300, "answer": "3"}], None
+    )  # eval reads the test split
     with pytest.raises(errors.UsageError, match="is 300 tokens .*: shorten the prompts$"):
         models.check_prompt_length(tiny_tokenizer, long_test, tiny_model, "tiny", 1, chat_template=True)
 

@@ -1,6 +1,6 @@
 """Bad input, by principle (docs/bad_input.md names each test): every flag checked before anything loads, algorithm
 state that stays valid, user code that may do anything, only trainable models trained, outputs that never collide,
-and signals. Principles 4 (data) and 7 (resume) are in test_bad_input_data.py.
+and signals. Principles 4 (data) and 7 (resume) are in test_bad_input_data_and_resume.py.
 """
 
 import dataclasses
@@ -16,27 +16,30 @@ import typing
 import pytest
 import torch
 
-from machinery import bookkeeping
-from machinery import checkpoints
-from machinery import dumps
 import grpo
-from machinery import models
 import ppo
-from tasks import user as user_tasks
+from machinery import bookkeeping, checkpoints, dumps, models
 from machinery.errors import UsageError
 from tasks import Task
+from tasks import user as user_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {grpo: dict(prompts_per_step=2, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
 
 
 def small_args(module, tmp_path, **overrides):
-    return module.Args(**{**dict(num_steps=1, max_new_tokens=3, sample_every=0, output_dir=str(tmp_path / "runs")),
-                          **SMALL[module], **overrides})  # fmt: skip
+    return module.Args(
+        **{
+            **dict(num_steps=1, max_new_tokens=3, sample_every=0, output_dir=str(tmp_path / "runs")),
+            **SMALL[module],
+            **overrides,
+        }
+    )
 
 
 def run_with_flag(module, name, value, base, monkeypatch):
-    """`module.main` with one flag as the user types it over the Args `base`: (its UsageError or None, models loaded)."""
+    """`module.main` with one flag as the user types it over the Args `base`: (its UsageError or None, models
+    loaded)."""
     import tyro
 
     args = tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", value], default=base)
@@ -51,15 +54,21 @@ def run_with_flag(module, name, value, base, monkeypatch):
 
 def float_flags(module):
     hints = typing.get_type_hints(module.Args)
-    return [f.name for f in dataclasses.fields(module.Args) if float in (hints[f.name], *typing.get_args(hints[f.name]))]
+    return [
+        f.name for f in dataclasses.fields(module.Args) if float in (hints[f.name], *typing.get_args(hints[f.name]))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
 # Principle 1: every flag is checked before anything loads.
 # ---------------------------------------------------------------------------------------------------
 
-FUZZ = [(module, name, value) for module in (grpo, ppo) for name in float_flags(module)
-        for value in ("nan", "inf", "-inf", "0", "-1")]  # fmt: skip
+FUZZ = [
+    (module, name, value)
+    for module in (grpo, ppo)
+    for name in float_flags(module)
+    for value in ("nan", "inf", "-inf", "0", "-1")
+]
 
 
 @pytest.mark.parametrize("module, name, value", FUZZ, ids=[f"{m.__name__} {n}={v}" for m, n, v in FUZZ])
@@ -72,7 +81,9 @@ def test_principle1_fuzz_every_float_flag(module, name, value, tmp_path, monkeyp
         if not math.isfinite(float(value)):
             assert str(e) == f"--{name.replace('_', '-')} is {float(value)}: it must be a finite number"
         return
-    (final,) = [os.path.join(r, d, "final") for r, ds, _ in os.walk(tmp_path / "runs") for d in ds if d.startswith("copy")]
+    (final,) = [
+        os.path.join(r, d, "final") for r, ds, _ in os.walk(tmp_path / "runs") for d in ds if d.startswith("copy")
+    ]
     weights = models.load_causal_lm(final, models.CPU)
     assert all(torch.isfinite(p).all() for p in weights.parameters())
 
@@ -83,14 +94,17 @@ def test_principle1_fuzz_covers_every_float_flag():
     assert len(FUZZ) == 5 * (len(float_flags(grpo)) + len(float_flags(ppo))) >= 100
 
 
-@pytest.mark.parametrize("module, flags, expected", [
-    (grpo, dict(seed=-1), "--seed is -1: it must be in [0, 2**32)"),
-    (grpo, dict(learning_rate=2.0), "--learning-rate is 2.0: it must be in (0, 1)"),
-    (grpo, dict(learning_rate=0.5, weight_decay=2.0), "--learning-rate 0.5 times --weight-decay 2.0 is >= 1"),
-    (ppo, dict(kl_horizon=0), "--kl-horizon is 0: it must be at least 1"),
-    (ppo, dict(target_kl=1.0, kl_horizon=10), "--kl-horizon 10 is below the 64 completions of a step"),
-    (ppo, dict(gamma=1.5), "--gamma is 1.5: it must be in [0, 1]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, flags, expected",
+    [
+        (grpo, dict(seed=-1), "--seed is -1: it must be in [0, 2**32)"),
+        (grpo, dict(learning_rate=2.0), "--learning-rate is 2.0: it must be in (0, 1)"),
+        (grpo, dict(learning_rate=0.5, weight_decay=2.0), "--learning-rate 0.5 times --weight-decay 2.0 is >= 1"),
+        (ppo, dict(kl_horizon=0), "--kl-horizon is 0: it must be at least 1"),
+        (ppo, dict(target_kl=1.0, kl_horizon=10), "--kl-horizon 10 is below the 64 completions of a step"),
+        (ppo, dict(gamma=1.5), "--gamma is 1.5: it must be in [0, 1]"),
+    ],
+)
 def test_principle1_ranges(module, flags, expected):
     with pytest.raises(UsageError) as e:
         module.check_args(module.Args(**flags))
@@ -104,7 +118,8 @@ def test_principle1_ranges(module, flags, expected):
 
 @pytest.mark.parametrize("module", [grpo, ppo])
 def test_principle2_nonfinite_weights_are_never_saved_as_the_final_model(module, tmp_path, monkeypatch):
-    """An update that leaves a weight NaN (here forced after the real step) stops the run in one line: no final model."""
+    """An update that leaves a weight NaN (here forced after the real step) stops the run in one line: no final
+    model."""
     real_step, calls = torch.optim.AdamW.step, []
     last = 1 if module is grpo else ppo.Args.update_epochs * SMALL[ppo]["num_minibatches"]  # PPO: the last minibatch's
 
@@ -117,8 +132,11 @@ def test_principle2_nonfinite_weights_are_never_saved_as_the_final_model(module,
         return result
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned_step)
-    with pytest.raises(UsageError, match=r"weights are not finite after the last update, so .*final was not written "
-                                         r"\(no checkpoint was saved\): lower --learning-rate"):
+    with pytest.raises(
+        UsageError,
+        match=r"weights are not finite after the last update, so .*final was not written "
+        r"\(no checkpoint was saved\): lower --learning-rate",
+    ):
         module.main(small_args(module, tmp_path))
     assert not [d for _, ds, _ in os.walk(tmp_path) for d in ds if d in ("final", "final.tmp")]
 
@@ -165,12 +183,15 @@ def misbehaving(kind):
     return reward
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("exit0", r"raised SystemExit: 0 on prompt '1=' and completion '2': fix the reward function"),
-    ("interrupt", r"raised KeyboardInterrupt: \(no message\) on prompt '1='"),
-    ("huge", r"returned 1000000000.*\.\.\. on prompt '1=' and completion '2': it must return a finite number"),
-    ("multiline", r"raised ValueError: first line second line on prompt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("exit0", r"raised SystemExit: 0 on prompt '1=' and completion '2': fix the reward function"),
+        ("interrupt", r"raised KeyboardInterrupt: \(no message\) on prompt '1='"),
+        ("huge", r"returned 1000000000.*\.\.\. on prompt '1=' and completion '2': it must return a finite number"),
+        ("multiline", r"raised ValueError: first line second line on prompt"),
+    ],
+)
 def test_principle3_any_exception_or_unconvertible_number_is_one_line(kind, expected):
     task = Task("python:r.py:f", [], [], misbehaving(kind))
     with pytest.raises(UsageError, match=rf"^reward function of task 'python:r.py:f' {expected}") as e:
@@ -185,12 +206,19 @@ def test_principle3_chdir_and_sys_argv_do_not_leak(monkeypatch):
     assert os.getcwd() == cwd and sys.argv == ["grpo.py", "--task", "python:r.py:f"]
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("raise SystemExit(0)", "SystemExit: 0: fix that file"),
-    ("raise KeyboardInterrupt", "KeyboardInterrupt: (no message): fix that file"),
-    ("import argparse\nARGS = argparse.ArgumentParser().parse_args()\nEXAMPLES = [{'prompt': '1=', 'answer': '1'}] * 2\n"
-     "def f(p, c, a):\n    return 1.0", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("raise SystemExit(0)", "SystemExit: 0: fix that file"),
+        ("raise KeyboardInterrupt", "KeyboardInterrupt: (no message): fix that file"),
+        (
+            "import argparse\nARGS = argparse.ArgumentParser().parse_args()\n"
+            "EXAMPLES = [{'prompt': '1=', 'answer': '1'}] * 2\n"
+            "def f(p, c, a):\n    return 1.0",
+            None,
+        ),
+    ],
+)
 def test_principle3_a_module_that_exits_interrupts_or_parses_argv_at_import(source, expected, tmp_path, monkeypatch):
     path = tmp_path / "r.py"
     path.write_text(source)
@@ -206,14 +234,33 @@ def test_principle3_a_module_that_exits_interrupts_or_parses_argv_at_import(sour
 
 def test_principle3_a_reward_function_calling_sys_exit_0_fails_the_run(tmp_path, xdg_cache):
     """Exit status 0 with no model would read as success: the CLI says what happened, and exits nonzero."""
-    (tmp_path / "r.py").write_text("import sys\nEXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(4)]\n"
-                                   "def f(p, c, a):\n    sys.exit(0)\n")
+    (tmp_path / "r.py").write_text(
+        "import sys\nEXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(4)]\n"
+        "def f(p, c, a):\n    sys.exit(0)\n"
+    )
     result = subprocess.run(
-        [sys.executable, "grpo.py", "--task", f"python:{tmp_path / 'r.py'}:f", "--num-steps", "1", "--group-size", "2",
-         "--prompts-per-step", "2", "--sample-every", "0", "--output-dir", str(tmp_path / "runs")],
-        cwd=REPO, env=dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        [
+            sys.executable,
+            "grpo.py",
+            "--task",
+            f"python:{tmp_path / 'r.py'}:f",
+            "--num-steps",
+            "1",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--sample-every",
+            "0",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=REPO,
+        env=dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1].startswith("error: reward function of task 'python:"), result.stderr
     assert "raised SystemExit: 0" in result.stderr.splitlines()[-1]
@@ -243,8 +290,9 @@ def test_principle5_a_saved_classifier_or_encoder_is_not_a_causal_lm(tmp_path, t
     from transformers import BertConfig, BertForMaskedLM, Qwen2Config, Qwen2ForSequenceClassification
 
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=40)
-    classifier = save_from_config(tmp_path / "rm", Qwen2Config(**tiny, num_labels=1, pad_token_id=0),
-                                  Qwen2ForSequenceClassification)  # fmt: skip
+    classifier = save_from_config(
+        tmp_path / "rm", Qwen2Config(**tiny, num_labels=1, pad_token_id=0), Qwen2ForSequenceClassification
+    )
     with pytest.raises(UsageError, match=r"was saved as Qwen2ForSequenceClassification, not a causal LM: pass one"):
         models.load_causal_lm(classifier, models.CPU)
     bert = save_from_config(tmp_path / "bert", BertConfig(**tiny), BertForMaskedLM)
@@ -270,11 +318,15 @@ def test_principle5_a_critic_with_another_vocabulary(tmp_path, tiny_tokenizer):
 
     other = tiny_tokenizer.__class__.from_pretrained(models.tiny_model_dir())
     other.add_tokens(["<extra>"])
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=40)
+    config = Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=40
+    )
     critic = save_from_config(tmp_path / "critic", config, Qwen2ForCausalLM, other)
     with pytest.raises(UsageError, match=r"--critic-model .* has another vocabulary than --model 'tiny'"):
         models.check_model_names(ppo.Args(critic_model=critic), ["model", "critic_model"])
-    small = save_from_config(tmp_path / "small", Qwen2Config(**{**config.to_dict(), "vocab_size": 10}), Qwen2ForCausalLM)
+    small = save_from_config(
+        tmp_path / "small", Qwen2Config(**{**config.to_dict(), "vocab_size": 10}), Qwen2ForCausalLM
+    )
     with pytest.raises(UsageError, match=r"embeds 10 tokens, fewer than the 25 of --model 'tiny'"):
         models.check_model_names(ppo.Args(critic_model=small), ["model", "critic_model"])
 
@@ -301,7 +353,9 @@ def test_principle6_output_dir_that_is_a_file_or_cannot_be_written(tmp_path, mon
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(os, "makedirs", read_only)
-    with pytest.raises(UsageError, match=r"cannot create the run folder .* \(Permission denied\): pick another --output-dir"):
+    with pytest.raises(
+        UsageError, match=r"cannot create the run folder .* \(Permission denied\): pick another --output-dir"
+    ):
         bookkeeping.make_run_dir(grpo.Args(output_dir=str(tmp_path / "ro")))
 
 
@@ -331,6 +385,7 @@ def test_principle6_resume_with_another_output_dir_is_refused(tmp_path):
 
 def test_principle6_a_refused_start_leaves_no_empty_folder(tmp_path, monkeypatch):
     """The run folder is made before the models load; a start refused after that removes it again."""
+
     def refused():
         bookkeeping.make_run_dir(grpo.Args(output_dir=str(tmp_path / "runs")))
         raise UsageError("refused")
@@ -349,11 +404,25 @@ def test_principle6_a_refused_start_leaves_no_empty_folder(tmp_path, monkeypatch
 def start(flags, tmp_path, xdg_cache):
     log = open(tmp_path / "stderr.txt", "w")
     process = subprocess.Popen(
-        [sys.executable, "grpo.py", "--group-size", "2", "--prompts-per-step", "2", "--sample-every", "0",
-         "--output-dir", str(tmp_path / "runs"), *flags],
-        cwd=REPO, env=dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-        stderr=log, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "grpo.py",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--sample-every",
+            "0",
+            "--output-dir",
+            str(tmp_path / "runs"),
+            *flags,
+        ],
+        cwd=REPO,
+        env=dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     return process, log
 
 
@@ -397,4 +466,5 @@ def test_principle8_a_second_sigterm_stops_a_step_that_hangs_in_user_code(tmp_pa
     stderr = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert stderr.strip().splitlines()[-1] == (
-        "SIGTERM again: stopped at once, in the middle of a step; no checkpoint was saved"), stderr
+        "SIGTERM again: stopped at once, in the middle of a step; no checkpoint was saved"
+    ), stderr

@@ -18,15 +18,13 @@ import time
 import pytest
 import torch
 
-from machinery import checkpoints
 import grpo
-from machinery import models
 import ppo
-from tasks import rewards
 import tasks
-from tasks import user as user_tasks
+from machinery import checkpoints, models
 from machinery.errors import UsageError
-from tasks import Task, load_task
+from tasks import Task, load_task, rewards
+from tasks import user as user_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,16 +43,28 @@ GOOD = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(5
 
 @pytest.mark.parametrize(
     "line, message",
-    [('{"prompt": "1=", "answer": ' + "7" * 5000 + "}", '"answer" is a number of about 5000 digits.*write it as a string'),
-     ("[" * 100_000 + "]" * 100_000, r"not valid JSON \(nested too deeply for Python to read\)"),
-     ('{"prompt": "1=", "answer": NaN}', r"not valid JSON \(NaN is not a JSON number"),
-     ('{"prompt": "1=", "answer": -Infinity}', r"not valid JSON \(-Infinity is not a JSON number"),
-     ('{"prompt": "1=", "answer": 1e999999999}', '"answer" is a number of about 1000000000 digits'),
-     ('{"prompt": "\\ud800=", "answer": "1"}', r'"prompt" holds .*\\ud800.*half of a surrogate pair'),
-     ('{"prompt": "1=", "answer": "\\udfff"}', r'"answer" holds .*\\udfff.*half of a surrogate pair')],
-    ids=["5000-digit number", "100k-deep nesting", "NaN", "-Infinity", "1e999999999", "lone surrogate in prompt",
-         "lone surrogate in answer"],
-)  # fmt: skip
+    [
+        (
+            '{"prompt": "1=", "answer": ' + "7" * 5000 + "}",
+            '"answer" is a number of about 5000 digits.*write it as a string',
+        ),
+        ("[" * 100_000 + "]" * 100_000, r"not valid JSON \(nested too deeply for Python to read\)"),
+        ('{"prompt": "1=", "answer": NaN}', r"not valid JSON \(NaN is not a JSON number"),
+        ('{"prompt": "1=", "answer": -Infinity}', r"not valid JSON \(-Infinity is not a JSON number"),
+        ('{"prompt": "1=", "answer": 1e999999999}', '"answer" is a number of about 1000000000 digits'),
+        ('{"prompt": "\\ud800=", "answer": "1"}', r'"prompt" holds .*\\ud800.*half of a surrogate pair'),
+        ('{"prompt": "1=", "answer": "\\udfff"}', r'"answer" holds .*\\udfff.*half of a surrogate pair'),
+    ],
+    ids=[
+        "5000-digit number",
+        "100k-deep nesting",
+        "NaN",
+        "-Infinity",
+        "1e999999999",
+        "lone surrogate in prompt",
+        "lone surrogate in answer",
+    ],
+)
 def test_json_python_cannot_take_as_it_is_names_the_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD[0], GOOD[1], line, GOOD[2]])
     with pytest.raises(UsageError, match=rf"^{re.escape(path)}, line 3: {message}") as error:
@@ -74,9 +84,18 @@ def test_a_byte_that_is_not_utf8_names_its_line_and_a_bom_is_read(tmp_path):
 
 @pytest.mark.parametrize(
     "written, text",
-    [("4", "4"), ("4.0", "4.0"), ('"4"', "4"), ("1e3", "1000"), ("0.1", "0.1"), ("-2.50", "-2.50"), ("1E-7", "0.0000001"),
-     ("100000000000000000000000000001", "100000000000000000000000000001"), ("3.141592653589793238462643", "3.141592653589793238462643")],
-)  # fmt: skip
+    [
+        ("4", "4"),
+        ("4.0", "4.0"),
+        ('"4"', "4"),
+        ("1e3", "1000"),
+        ("0.1", "0.1"),
+        ("-2.50", "-2.50"),
+        ("1E-7", "0.0000001"),
+        ("100000000000000000000000000001", "100000000000000000000000000001"),
+        ("3.141592653589793238462643", "3.141592653589793238462643"),
+    ],
+)
 def test_a_json_number_answer_keeps_the_digits_as_written(tmp_path, written, text):
     """JSON numbers are read as Decimal: no float rounding (0.1, pi to 25 places), no "1e+20", no int limit."""
     path = write_jsonl(tmp_path / "n.jsonl", [GOOD[0], f'{{"prompt": "q", "answer": {written}}}'])
@@ -86,9 +105,16 @@ def test_a_json_number_answer_keeps_the_digits_as_written(tmp_path, written, tex
 def test_numbers_are_compared_as_the_numbers_they_are(tmp_path):
     """4, 4.0 and "4" as answer all accept the completions "4", "4.0" and "4.00" (match_reward reads numbers
     exactly); 1e3 accepts "1000" and "1,000"; and 0.1 is not 0.1000000000000000055511151231257827."""
-    path = write_jsonl(tmp_path / "n.jsonl", ['{"prompt": "a", "answer": 4}', '{"prompt": "b", "answer": 4.0}',
-                                              '{"prompt": "c", "answer": "4"}', '{"prompt": "d", "answer": 1e3}',
-                                              '{"prompt": "e", "answer": 0.1}'])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "n.jsonl",
+        [
+            '{"prompt": "a", "answer": 4}',
+            '{"prompt": "b", "answer": 4.0}',
+            '{"prompt": "c", "answer": "4"}',
+            '{"prompt": "d", "answer": 1e3}',
+            '{"prompt": "e", "answer": 0.1}',
+        ],
+    )
     answers = {ex["prompt"]: ex["answer"] for ex in user_tasks.read_jsonl(path)}
     for prompt in "abc":
         assert [rewards.match_reward(prompt, c, answers[prompt]) for c in ("4", "4.0", " 4.00\n", "5")] == [1, 1, 1, 0]
@@ -98,10 +124,15 @@ def test_numbers_are_compared_as_the_numbers_they_are(tmp_path):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(10**5000, "about 5001 digits"), (float("nan"), '"answer" is NaN'), (float("inf"), '"answer" is Infinity'),
-     (1e20, None), (True, "must be a string or a number")],
+    [
+        (10**5000, "about 5001 digits"),
+        (float("nan"), '"answer" is NaN'),
+        (float("inf"), '"answer" is Infinity'),
+        (1e20, None),
+        (True, "must be a string or a number"),
+    ],
     ids=["10**5000", "nan", "inf", "1e20", "True"],
-)  # fmt: skip
+)
 def test_python_examples_numbers(value, expected):
     where = "reward.py, EXAMPLES[0]"
     if expected is None:
@@ -139,13 +170,22 @@ def test_without_duplicates_the_split_is_the_shuffle_of_the_examples():
 
 
 def tiny_task(train, test, answers="written"):
-    return Task("mine", [{"prompt": p, "answer": a} for p, a in train], [{"prompt": p, "answer": a} for p, a in test],
-                rewards.match_reward, answers)  # fmt: skip
+    return Task(
+        "mine",
+        [{"prompt": p, "answer": a} for p, a in train],
+        [{"prompt": p, "answer": a} for p, a in test],
+        rewards.match_reward,
+        answers,
+    )
 
 
 def test_every_prompt_is_read_held_out_ones_and_past_the_first_200(tiny_tokenizer):
     train = [(f"{i}=", str(i)) for i in range(500)]
-    with pytest.raises(UsageError, match=r"^1 of the 502 prompts of task 'mine' has characters the tokenizer of 'tiny' does not know \(e\.g\. 'x' in '4x='\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"^1 of the 502 prompts of task 'mine' has characters the tokenizer of 'tiny' does not know "
+        r"\(e\.g\. 'x' in '4x='\)",
+    ):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train, [("1=", "1"), ("4x=", "4")]), "tiny")
     with pytest.raises(UsageError, match=r"does not know \(e\.g\. 'é'"):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train[:300] + [("é=", "1")], [("1=", "1")]), "tiny")
@@ -153,9 +193,15 @@ def test_every_prompt_is_read_held_out_ones_and_past_the_first_200(tiny_tokenize
 
 def test_every_answer_is_one_the_tokenizer_can_write(tiny_tokenizer, capsys):
     train, test = [(f"{i}=", str(i)) for i in range(300)], [("2=", "two")]
-    with pytest.raises(UsageError, match=r"^1 of the 301 answers of task 'mine' has characters the tokenizer of 'tiny' cannot write \(e\.g\. 't' in 'two'\), so no completion can match them"):
+    with pytest.raises(
+        UsageError,
+        match=r"^1 of the 301 answers of task 'mine' has characters the tokenizer of 'tiny' cannot write "
+        r"\(e\.g\. 't' in 'two'\), so no completion can match them",
+    ):
         models.check_vocabulary(tiny_tokenizer, tiny_task(train, test), "tiny")
-    models.check_vocabulary(tiny_tokenizer, tiny_task(train, test, answers="data"), "tiny")  # never written: not checked
+    models.check_vocabulary(
+        tiny_tokenizer, tiny_task(train, test, answers="data"), "tiny"
+    )  # never written: not checked
     models.check_vocabulary(tiny_tokenizer, tiny_task(train, test, answers="yours"), "tiny")  # a user's reward: a note
     assert capsys.readouterr().err.startswith("note: 1 of the 301 answers of task 'mine' has characters")
 
@@ -175,22 +221,31 @@ def test_answers_that_need_more_tokens_than_max_new_tokens_get_the_number_to_use
     answers = [ex["answer"] for ex in task.train + task.test]
     too_long, longest = sum(len(a) > 5 for a in answers), max(map(len, answers))
     assert (too_long, longest, sum(len(ex["answer"]) > 5 for ex in task.train)) == (3302, 8, 2964)
-    with pytest.raises(UsageError, match=rf"^task 'arithmetic:4' has {too_long} answers longer than --max-new-tokens 5 tokens "
-                                         rf"\(the longest, '\d+', is {longest} tokens\): raise --max-new-tokens to {longest + 1} "
-                                         r"\(its tokens and the EOS\)$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^task 'arithmetic:4' has {too_long} answers longer than --max-new-tokens 5 tokens "
+        rf"\(the longest, '\d+', is {longest} tokens\): raise --max-new-tokens to {longest + 1} "
+        r"\(its tokens and the EOS\)$",
+    ):
         models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 5, chat_template=True)
-    models.check_prompt_length(tiny_tokenizer, load_task("copy"), tiny_model, "tiny", 3, chat_template=True)  # "123", no EOS: fits
+    models.check_prompt_length(
+        tiny_tokenizer, load_task("copy"), tiny_model, "tiny", 3, chat_template=True
+    )  # "123", no EOS: fits
     models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", longest + 1, chat_template=True)
     fits = [("1" * 200, "1"), ("2=", "9" * 60)]  # each alone fits in 256 positions; the longest of both does not
     with pytest.raises(UsageError, match=r"is 60 tokens\): shorten the answers, or the prompts"):
-        models.check_prompt_length(tiny_tokenizer, tiny_task(fits, [("3=", "3")]), tiny_model, "tiny", 50, chat_template=True)
+        models.check_prompt_length(
+            tiny_tokenizer, tiny_task(fits, [("3=", "3")]), tiny_model, "tiny", 50, chat_template=True
+        )
 
 
 def test_a_4mb_prompt_is_refused_before_it_is_tokenized(tiny_tokenizer, tiny_model):
     task = tiny_task([("1" * 4_000_000, "1"), ("2=", "2")], [("3=", "3")])
     start = time.perf_counter()
     models.check_vocabulary(tiny_tokenizer, task, "tiny")
-    with pytest.raises(UsageError, match=r"is 4000000 characters \('1111.*more than the 256 positions of 'tiny' can hold"):
+    with pytest.raises(
+        UsageError, match=r"is 4000000 characters \('1111.*more than the 256 positions of 'tiny' can hold"
+    ):
         models.check_prompt_length(tiny_tokenizer, task, tiny_model, "tiny", 5, chat_template=True)
     assert time.perf_counter() - start < 3  # tokenizing it alone takes ~30 s, padding it into a batch of 1000 hangs
 
@@ -211,8 +266,16 @@ def test_the_length_bound_counts_what_generation_feeds_the_model(tiny_tokenizer,
 
 
 def quick_args(output_dir, **overrides):
-    fields = dict(seed=1, num_steps=1, save_every=1, sample_every=0, prompts_per_step=2, group_size=2, max_new_tokens=4,
-                  output_dir=str(output_dir))  # fmt: skip
+    fields = dict(
+        seed=1,
+        num_steps=1,
+        save_every=1,
+        sample_every=0,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=4,
+        output_dir=str(output_dir),
+    )
     fields.update(overrides)
     return grpo.Args(**fields)
 
@@ -255,22 +318,38 @@ def change_config(folder):
 
 
 DAMAGES = {
-    "truncated weights": (lambda f: truncate(f, "policy/model.safetensors"),
-                          r"policy/model\.safetensors is \d+ bytes, not the \d+ saved: it was cut short"),
+    "truncated weights": (
+        lambda f: truncate(f, "policy/model.safetensors"),
+        r"policy/model\.safetensors is \d+ bytes, not the \d+ saved: it was cut short",
+    ),
     "changed config": (change_config, r"policy/config\.json was changed after the save"),
-    "missing file": (lambda f: os.remove(os.path.join(f, "policy", "tokenizer.json")), r"policy/tokenizer\.json is missing"),
+    "missing file": (
+        lambda f: os.remove(os.path.join(f, "policy", "tokenizer.json")),
+        r"policy/tokenizer\.json is missing",
+    ),
     "state.pt missing a key": (lambda f: edit_state(f, lambda s: s.pop("optimizer")), r"state\.pt has no 'optimizer'"),
     "state.pt missing its list of keys": (lambda f: edit_state(f, lambda s: s.pop("keys")), r"state\.pt has no 'keys'"),
-    "older version": (lambda f: edit_state(f, lambda s: s.pop("version")),
-                      r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 2\)"),
+    "older version": (
+        lambda f: edit_state(f, lambda s: s.pop("version")),
+        r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 2\)",
+    ),
     "newer version": (lambda f: edit_state(f, lambda s: s.update(version=99)), r"was written by a newer version"),
     "written before a flag existed, given another value": (
         lambda f: edit_state(f, lambda s: s["args"].pop("prompts_per_step")),
-        r"was written before --prompts-per-step existed, so it ran as with --prompts-per-step 16, not 2: drop the flag"),
-    "a flag since removed": (lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
-                             r"was run with --old-flag, which this version does not have"),
-    "not our state.pt": (lambda f: torch.save([1, 2], os.path.join(f, "state.pt")), r"state\.pt is not a checkpoint of grpo\.py or ppo\.py"),
-    "truncated state.pt": (lambda f: truncate(f, "state.pt"), r"state\.pt cannot be read \(\w+\): the checkpoint is corrupt"),
+        r"was written before --prompts-per-step existed, so it ran as with --prompts-per-step 16, not 2: drop the flag",
+    ),
+    "a flag since removed": (
+        lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
+        r"was run with --old-flag, which this version does not have",
+    ),
+    "not our state.pt": (
+        lambda f: torch.save([1, 2], os.path.join(f, "state.pt")),
+        r"state\.pt is not a checkpoint of grpo\.py or ppo\.py",
+    ),
+    "truncated state.pt": (
+        lambda f: truncate(f, "state.pt"),
+        r"state\.pt cannot be read \(\w+\): the checkpoint is corrupt",
+    ),
 }
 
 
@@ -279,7 +358,9 @@ def test_every_damage_is_one_line_naming_it(copy, damage, monkeypatch):
     folder, args = copy
     make, message = DAMAGES[damage]
     make(folder)
-    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint"))
+    monkeypatch.setattr(
+        models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint")
+    )
     with pytest.raises(UsageError, match=message) as error:
         grpo.main(quick_args(args.output_dir, num_steps=2, resume=folder))
     assert "\n" not in str(error.value)
@@ -291,7 +372,9 @@ def test_an_old_checkpoint_of_ppo_is_refused_in_one_line(tmp_path):
     folder.mkdir()
     args = ppo.Args()
     torch.save({"script": "ppo", "args": vars(args), "step": 3, "kl_coef": 0.05}, folder / "state.pt")
-    with pytest.raises(UsageError, match=r"was written by an older version of ppo\.py .*cannot be resumed by this one; start a new run"):
+    with pytest.raises(
+        UsageError, match=r"was written by an older version of ppo\.py .*cannot be resumed by this one; start a new run"
+    ):
         checkpoints.load_checkpoint(str(folder), "ppo", args)
 
 
@@ -301,7 +384,9 @@ def test_data_changed_since_the_checkpoint(copy, tmp_path):
     state = checkpoints.load_checkpoint(folder, "grpo", args, load_task("copy"))  # the same data: fine
     changed = load_task("copy")
     changed.train[7] = {"prompt": "123=", "answer": "124"}
-    with pytest.raises(UsageError, match=r"was trained on other examples than task 'copy' gives now \(900 training examples\)"):
+    with pytest.raises(
+        UsageError, match=r"was trained on other examples than task 'copy' gives now \(900 training examples\)"
+    ):
         checkpoints.load_checkpoint(folder, "grpo", args, changed)
     sampler = __import__("common").PromptSampler(changed.train, 1)
     with pytest.raises(UsageError, match="trained on other examples"):  # when load_checkpoint had no task
@@ -310,7 +395,11 @@ def test_data_changed_since_the_checkpoint(copy, tmp_path):
 
 def test_resume_from_a_run_folder_names_its_checkpoint(copy):
     folder, args = copy
-    with pytest.raises(UsageError, match=rf"is not a checkpoint \(no state\.pt in it\): pass a run's checkpoint folder, such as {re.escape(folder)}$"):
+    with pytest.raises(
+        UsageError,
+        match=r"is not a checkpoint \(no state\.pt in it\): "
+        rf"pass a run's checkpoint folder, such as {re.escape(folder)}$",
+    ):
         checkpoints.load_checkpoint(os.path.dirname(folder), "grpo", args)
 
 
@@ -341,7 +430,10 @@ def test_a_kill_between_the_renames_resumes_from_the_newer_save(tmp_path, monkey
     capsys.readouterr()
     assert checkpoints.load_checkpoint(folder, "grpo", dataclasses.replace(args, num_steps=3))["step"] == 2
     note = capsys.readouterr().err.strip()
-    assert note == f"note: {folder} was missing (a save was stopped between its renames); resuming from the save in progress, step 2, moved back from {folder}.tmp"
+    assert (
+        note == f"note: {folder} was missing (a save was stopped between its renames); "
+        f"resuming from the save in progress, step 2, moved back from {folder}.tmp"
+    )
     assert os.path.isfile(os.path.join(folder, "state.pt"))
 
 
@@ -379,13 +471,13 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
     (run_dir,) = glob.glob(str(tmp_path / "*"))
     checkpoint, full = os.path.join(run_dir, "checkpoint"), "(No space left on device)"
     expected = {
-        "first save": f"could not write the checkpoint of step 1 to {checkpoint} {full}; no checkpoint was saved before: "
-                      "free some disk space and start again",
+        "first save": f"could not write the checkpoint of step 1 to {checkpoint} {full}; "
+        "no checkpoint was saved before: free some disk space and start again",
         "later save": f"could not write the checkpoint of step 2 to {checkpoint} {full}; the last good checkpoint is "
-                      f"{checkpoint}: free some disk space, then resume from it",
-        "final model": f"could not write the model to {run_dir}/final {full}; the last good checkpoint is {checkpoint}: "
-                       "free some disk space, then resume from it",
-    }[when]  # fmt: skip
+        f"{checkpoint}: free some disk space, then resume from it",
+        "final model": f"could not write the model to {run_dir}/final {full}; "
+        f"the last good checkpoint is {checkpoint}: free some disk space, then resume from it",
+    }[when]
     assert str(error.value) == expected
     assert not glob.glob(os.path.join(run_dir, "*.tmp"))  # what was half written is removed, its space freed
 
@@ -397,11 +489,19 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
 
 @pytest.mark.parametrize(
     "flags, expected",
-    [("--task arithmetic:4", "error: task 'arithmetic:4' has 3302 answers longer than --max-new-tokens 5 tokens "
-                             "(the longest, '97871442', is 8 tokens): raise --max-new-tokens to 9 (its tokens and the EOS)"),
-     ("--task jsonl:{deep}", "error: {deep}, line 1: not valid JSON (nested too deeply for Python to read); write one "
-                             'object like {{"prompt": "...", "answer": "..."}} per line')],
-)  # fmt: skip
+    [
+        (
+            "--task arithmetic:4",
+            "error: task 'arithmetic:4' has 3302 answers longer than --max-new-tokens 5 tokens "
+            "(the longest, '97871442', is 8 tokens): raise --max-new-tokens to 9 (its tokens and the EOS)",
+        ),
+        (
+            "--task jsonl:{deep}",
+            "error: {deep}, line 1: not valid JSON (nested too deeply for Python to read); write one "
+            'object like {{"prompt": "...", "answer": "..."}} per line',
+        ),
+    ],
+)
 def test_the_script_says_one_line(tmp_path, xdg_cache, flags, expected):
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
@@ -409,7 +509,11 @@ def test_the_script_says_one_line(tmp_path, xdg_cache, flags, expected):
     env = dict(os.environ, XDG_CACHE_HOME=xdg_cache, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, "grpo.py", "--num-steps", "1", *flags, "--output-dir", str(tmp_path / "runs")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stderr.strip() == expected.format(deep=deep)
     assert not os.path.exists(tmp_path / "runs")
