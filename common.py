@@ -388,6 +388,25 @@ def select_rows(batch, rows):
     }
 
 
+# A step's entry points in the order the loops call them, each with the tensors (by the dump's names) that it, or the
+# forward just before it, computes. The models' outputs reach compute_loss apart, as its `outputs` argument.
+MODEL_OUTPUTS = ("new_logp", "new_values", "entropy")
+ENTRY_POINTS = (
+    ("compute_rewards", ("rewards",)),  # PPO's per-token reward; GRPO's rewards are the sampled scores
+    ("compute_advantages", ("advantages", "returns")),
+    ("compute_loss", (*MODEL_OUTPUTS, "per_token_loss", "loss")),
+)
+
+
+def entry_batch(entry, tensors):
+    """The batch the entry point `entry` receives, from a step's tensors (the loop's, or a dump's: the same names):
+    all of them but what it and every later entry point compute, so it never reads its own result. The loops and
+    verify.py build each entry point's batch with this one function, so both give it the same keys."""
+    names = [name for name, _ in ENTRY_POINTS]
+    later = {key for _, keys in ENTRY_POINTS[names.index(entry) :] for key in keys}
+    return {key: value for key, value in tensors.items() if key not in later}
+
+
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
     """Share of real tokens whose gradient the clip cut off (the clipped term was the larger loss)."""
     ratio = torch.exp(logratio)

@@ -1,10 +1,10 @@
 """Verify another implementation against this one, from a dump, in one command.
 
-    python grpo.py --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-2 --clip-low 0.05 \\
-        --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 0.1 \\
+    python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-2 \\
+        --clip-low 0.05 --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 0.1 \\
         --dump-dir dumps/grpo                                                     # the recommended GRPO dump
-    python ppo.py --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
-        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 2 \\
+    python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
+        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1.2 \\
         --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 \\
         --dump-dir dumps/ppo                                                      # the recommended PPO dump
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
@@ -14,21 +14,24 @@
 
 Make the dump with your implementation's settings (its advantage eps is --adv-eps; its KL form, loss
 aggregation and clip ranges are flags too). The recommended dumps exercise every branch a row checks: prompts
-of different lengths (left padding), completions that end early and some without EOS, ratios away from 1
-(GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped on both sides, values
-moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a temperature and a gamma
-other than 1, micro-batches smaller than their minibatch, weight decay and a clipped gradient norm. A row whose
-branch no step exercised says so ("never exercised: ..."), in place of a plain pass.
+of different lengths (left padding) on a model with absolute positions (tiny-gpt2: a position id that ignores
+the padding changes its log-probs, where rotary positions hide it), completions that end early and some without
+EOS, ratios away from 1 (GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped
+on both sides, values moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a
+temperature and a gamma other than 1, micro-batches smaller than their minibatch, weight decay and a clipped
+gradient norm. A row whose branch no step exercised says so ("never exercised: ..."), in place of a plain pass.
 
 Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
 positions; the table has one row per quantity (the largest difference over the steps), its tolerance, and the
-result. A NaN or inf fails its row.
+result. A NaN or inf fails its row. Every row appears: pass, FAIL, "differs (known: ...)", or skip with why.
 
   advantages      GRPO: from the stored rewards; PPO: GAE from the stored rewards and values, whitened
   rewards         PPO: the per-token reward from token_scores, log-probs, kl_coef, the mask and the EOS penalty
   returns         PPO: GAE's returns
   kl_coef         PPO: each step's coefficient from the previous step's, by the adaptive controller
-  log-probs       per-token log-probs of the policy and of the reference, from the weights the step used
+  replay          this project's updates replayed from --model: the policy's log-probs and the critic's values
+                  against the stored ones, at every step (a run that trained otherwise than its dump says fails)
+  log-probs       per-token log-probs of the policy and of the reference, from the replayed weights
   kl              the KL term (GRPO) or penalty (PPO) to the reference, per token, from the stored log-probs
   per-token loss  from the stored log-probs, advantages (PPO: and values) of the dumped (micro-)batch
   loss            the aggregated loss
@@ -37,17 +40,20 @@ result. A NaN or inf fails its row.
                   state carried over (AdamW, weight decay, the gradient's norm clipped), scored by the next
                   step's stored log-probs (a warmup schedule is checked where the dump has --warmup-steps)
 
-Weights: step 1 starts from --model; later weights (and PPO's moved models within a step) are replayed here
-from the stored batches with this project's loss and AdamW, each replay checked against the stored log-probs.
-
-Exit status: 0 every check that ran passed (or differs by a known difference passed to --accept); 1 a check
-failed; 2 bad input (the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, does not
-compile, returns None, a non-tensor or the wrong shape, a train_loss without autograd); 130 interrupted.
+Exit status: 0 PASS: the advantages row and a loss row (per-token loss, loss or gradient) were compared, and every
+row compared passed or differs by a known difference accepted within its bound; 1 FAIL: a row failed; 2 bad input
+(the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, ends the process, does not compile,
+returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd); 4 INCOMPLETE: no
+row failed, but too little was compared for a pass (the line says what was and why the rest was skipped);
+130 interrupted. The checks run in a child process (verifier/isolation.py): an adapter that ends it is exit 3.
 
 An adapter is a Python file that defines some of these functions (a check whose function is missing, or
-raises NotImplementedError(reason), is skipped). `batch` holds the dump's tensors (README, "Verify your
-implementation"), plus num_seqs and num_tokens, the loss's denominators; `args` is the run's Args as a dict,
-plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
+raises NotImplementedError(reason), is skipped). `args` is the run's Args as a dict, plus "script" ("grpo" or
+"ppo"). `batch` holds the dump's tensors that the entry point it stands for reads in the training loop
+(common.entry_batch): never what it is compared with (group_advantages and gae get no advantages or returns,
+rewards no rewards, the losses no per_token_loss or loss), plus num_seqs and num_tokens, the loss's
+denominators; per_token_loss, loss and kl also get the models' stored outputs (new_logp; PPO: new_values,
+entropy); token_logprobs gets the ids and masks alone. See adapters/self.py for this project's own.
 
   group_advantages(batch, args) -> [N] or [N, T]     gae(batch, args) -> (advantages, returns), [N, T] each
   rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)
@@ -57,8 +63,10 @@ plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
   update(model, batch, args, state): one training step in place; `state`, a dict, is kept from step to step
   OPTIONS = {name: default}, changed by --set name=value; setup(args, options, model), called once with a
   copy of the initial policy; differences(args, options) -> lines printed under the table;
-  known_differences(args, options) -> {quantity: what differs and its source}: `--accept QUANTITY` shows that
-  row as "differs (known: ...)" and does not fail on it (only that quantity; never shown as a pass).
+  known_differences(args, options) -> {quantity: dict(why=..., where="the peer's file, function",
+  bound=("rel", 5e-2))}: `--accept QUANTITY` shows that row as "differs (known: ...)" while its largest difference
+  stays within the bound (measured as the tolerances are), every value is finite and no sign is flipped, and
+  fails it otherwise; an accepted row is never a pass, and the PASS line counts it apart.
 """
 
 import argparse
@@ -67,59 +75,48 @@ import sys
 
 import torch
 
-from verifier.replay import check_grpo_weights, check_ppo_weights, check_update
-from verifier.report import (  # noqa: F401
+from verifier import isolation
+from verifier.calls import as_tensor, call, compare, known_differences, load_adapter, parse_options
+from verifier.dump import inputs, load_dump, micro_batch, whole_batch
+from verifier.replay import WEIGHT_ROWS, check_grpo_weights, check_ppo_weights, check_update
+from verifier.report import (  # noqa: F401  (the names verify.py has always offered)
+    ADAPTER_MISTAKE,
+    BAD_INPUT,
     EARLY,
+    INTERRUPTED,
     QUANTITIES,
     TOLERANCES,
     AdapterError,
     Interrupted,
     Report,
     VerifyError,
-    as_tensor,
-    call,
-    compare,
-    load_adapter,
-    load_dump,
     loss_conditions,
     one_line,
-    parse_options,
     parse_tolerances,
-    ppo_micro_batch,
-    whole_batch,
 )
 
 
 def check_advantages(report, adapter, step, d, batch, args):
     mask = d["completion_mask"]
     if args["script"] == "grpo":
-        adv, why = call(adapter, "group_advantages", batch, args)
-        expected = d.get("advantages")
-        if adv is not None and expected is not None:
+        adv, why = call(adapter, "group_advantages", inputs("group_advantages", batch, args), args)
+        expected, keep = d["advantages"], None
+        if adv is not None:
             adv = as_tensor(adapter, "group_advantages", adv)
             adv = adv[:, 0] if adv.shape == (len(mask), 1) else adv
             if adv.shape == mask.shape:  # one advantage per token: compared on the real tokens
-                adv, expected = adv, expected[:, None].expand_as(mask)
-        compare(
-            report,
-            "advantages",
-            step,
-            adapter,
-            "group_advantages",
-            adv,
-            expected,
-            mask if expected is not None and expected.dim() == 2 else None,
-            "advantages",
-        )
+                expected, keep = expected[:, None].expand_as(mask), mask
+        compare(report, "advantages", step, adapter, "group_advantages", adv, expected, keep, "advantages")
         report.skip("advantages", why)
         group_std = d["rewards"].view(-1, args["group_size"]).std(1)
         report.exercise("advantages", "a group whose rewards differ", (group_std > 0).any())
+        report.exercise("advantages", "a group whose rewards are all equal", (group_std == 0).any())
         return
-    out, why = call(adapter, "gae", batch, args)
+    out, why = call(adapter, "gae", inputs("gae", batch, args), args)
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise AdapterError(f"adapter {adapter.label!r}: gae() returned {type(out).__name__}, not (advantages, returns)")
-    compare(report, "advantages", step, adapter, "gae", out and out[0], d.get("advantages"), mask, "advantages")
-    compare(report, "returns", step, adapter, "gae", out and out[1], d.get("returns"), mask, "returns")
+    compare(report, "advantages", step, adapter, "gae", out and out[0], d["advantages"], mask, "advantages")
+    compare(report, "returns", step, adapter, "gae", out and out[1], d["returns"], mask, "returns")
     for q in ("advantages", "returns"):
         report.skip(q, why)
         report.exercise(q, EARLY, (mask[:, -1] == 0).any())
@@ -128,14 +125,15 @@ def check_advantages(report, adapter, step, d, batch, args):
 
 def check_rewards(report, adapter, ref, step, d, batch, args):
     """PPO's per-token reward: from token_scores, the log-probs, kl_coef, the mask and the EOS penalty."""
-    if "token_scores" not in d or "eos_ids" not in d:
+    if "token_scores" not in d:
         return report.skip("rewards", "the dump has no token_scores and eos_ids (made by an older version)")
-    theirs, why = call(adapter, "rewards", batch, args)
+    theirs, why = call(adapter, "rewards", inputs("rewards", batch, args), args)
     mask = d["completion_mask"]
-    compare(report, "rewards", step, adapter, "rewards", theirs, d.get("rewards"), mask, "rewards")
+    compare(report, "rewards", step, adapter, "rewards", theirs, d["rewards"], mask, "rewards")
     report.skip("rewards", why)
     has_eos = (torch.isin(d["completion_ids"], d["eos_ids"]) & mask.bool()).any(1)
-    report.exercise("rewards", "a KL that is not 0", (ref.rewards_kl(batch, args) != 0).any() and d["kl_coef"] != 0)
+    kl = ref.rewards_kl(inputs("rewards", batch, args), args)
+    report.exercise("rewards", "a KL that is not 0", (kl != 0).any() and d["kl_coef"] != 0)
     report.exercise(
         "rewards",
         "a completion without EOS, with --missing-eos-penalty > 0",
@@ -155,17 +153,17 @@ def check_pure(report, adapter, ref, step, d, args):
         loss_batch = batch
     else:
         check_rewards(report, adapter, ref, step, d, batch, args)
-        loss_batch = ppo_micro_batch(d)
+        loss_batch = micro_batch(d)
         if loss_batch is None:
             for q in ("per-token loss", "loss", "gradient"):
                 report.skip(q, "the dump has no micro_index and minibatch_index (a micro-batch's rows)")
             loss_batch = batch
-    kl_batch = batch if args["script"] == "ppo" else loss_batch
     if args["script"] == "ppo" and args["kl_coef"] == 0 and args["target_kl"] is None:
         report.skip("kl", "no KL penalty (--kl-coef 0)")
     elif args["script"] == "grpo" and args["beta"] == 0:
         report.skip("kl", "no KL term (--beta 0)")
     else:
+        kl_batch = inputs("kl", batch if args["script"] == "ppo" else loss_batch, args)
         theirs, why = call(adapter, "kl", kl_batch, args)
         ours, mask = torch.as_tensor(ref.kl(kl_batch, args)), kl_batch["completion_mask"].bool()
         compare(report, "kl", step, adapter, "kl", theirs, ours, mask, "kl")
@@ -173,24 +171,17 @@ def check_pure(report, adapter, ref, step, d, args):
         report.exercise("kl", "a KL that is not 0", (ours[mask] != 0).any())
     if "new_logp" not in loss_batch:
         return
-    mask = loss_batch["completion_mask"]
-    theirs, why = call(adapter, "per_token_loss", loss_batch, args)
-    compare(
-        report,
-        "per-token loss",
-        step,
-        adapter,
-        "per_token_loss",
-        theirs,
-        d.get("per_token_loss"),
-        mask,
-        "per_token_loss",
-    )
+    mask, given = loss_batch["completion_mask"], inputs("loss", loss_batch, args)
+    theirs, why = call(adapter, "per_token_loss", given, args)
+    expected = d["per_token_loss"]
+    compare(report, "per-token loss", step, adapter, "per_token_loss", theirs, expected, mask, "per_token_loss")
     report.skip("per-token loss", why)
-    theirs, why = call(adapter, "loss", loss_batch, args)
-    compare(report, "loss", step, adapter, "loss", theirs, d.get("loss"), None, "loss")
+    theirs, why = call(adapter, "loss", given, args)
+    # the loss is measured against the per-token losses it sums: near 0, a loss's own size says nothing
+    scale = (expected * mask).abs().max().item()
+    compare(report, "loss", step, adapter, "loss", theirs, d["loss"].reshape(()), None, "loss", scale)
     report.skip("loss", why)
-    loss_conditions(report, ["per-token loss", "loss"], ref, loss_batch, args)
+    loss_conditions(report, ["per-token loss", "loss"], ref, given, args)
 
 
 def check_kl_coef(report, adapter, ref, steps, args):
@@ -201,8 +192,9 @@ def check_kl_coef(report, adapter, ref, steps, args):
         if step + 1 not in steps:
             continue
         batch = whole_batch(steps[step], args)
-        theirs, why = call(adapter, "kl_coef", batch, args)
-        compare(report, "kl_coef", step + 1, adapter, "kl_coef", theirs, steps[step + 1]["kl_coef"], None, "kl_coef")
+        theirs, why = call(adapter, "kl_coef", inputs("kl_coef", batch, args), args)
+        expected = steps[step + 1]["kl_coef"].reshape(())
+        compare(report, "kl_coef", step + 1, adapter, "kl_coef", theirs, expected, None, "kl_coef")
         report.skip("kl_coef", why)
         error = ref.rewards_kl(batch, args).sum(1).mean().item() / args["target_kl"] - 1
         report.exercise("kl_coef", "a KL error within +-0.2 of the target (not clipped)", abs(error) < 0.2)
@@ -210,11 +202,47 @@ def check_kl_coef(report, adapter, ref, steps, args):
     report.skip("kl_coef", "needs two consecutive steps")
 
 
+def check_weights(report, adapter, ref, steps, args, initial, critic, notes):
+    """The replay from --model, and the log-probs, gradient and update rows on it (replay.py)."""
+    if min(steps) != 1:
+        why = f"the dump starts at step {min(steps)}: the weights are replayed from --model, which step 1 started from"
+        return [report.skip(q, why) for q in WEIGHT_ROWS]
+    if not any(hasattr(adapter, f) for f in ("token_logprobs", "train_loss", "update")):
+        for q, f in (("log-probs", "token_logprobs"), ("gradient", "train_loss"), ("update", "update")):
+            report.skip(q, f"adapter has no {f}()")
+        return report.skip("replay", "the adapter has no token_logprobs, train_loss or update: no check needs it")
+    if args["script"] == "grpo":
+        reached = check_grpo_weights(report, adapter, ref, steps, args, initial)
+    else:
+        reached = check_ppo_weights(report, adapter, ref, steps, args, initial, critic)
+    check_update(report, adapter, ref, steps, args, initial, reached)
+    if report.status("replay") == "fail" and args.get("resume"):
+        notes.append(f"the run was resumed from {args['resume']}: a flag changed on --resume replays otherwise")
+
+
+class Recomputing:
+    """An error of this project's own code on a dump it has accepted: one line naming the step, exit status 2."""
+
+    def __init__(self, where):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if kind is None or issubclass(kind, (VerifyError, AdapterError, Interrupted, KeyboardInterrupt)):
+            return False
+        raise VerifyError(
+            f"this project cannot recompute {self.where} ({kind.__name__}: {one_line(error)}): the dump is damaged "
+            "or of another version; make it again"
+        ) from None
+
+
 def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
     """Every check on every step the dump allows: (Report, notes)."""
     ref = load_adapter("self")
     initial, critic = models or ref.initial_models(args)
-    known = call(adapter, "known_differences", args, options)[0] if hasattr(adapter, "known_differences") else {}
+    known = known_differences(adapter, args, options)
     for quantity in accept:
         if quantity not in QUANTITIES:
             raise VerifyError(f"--accept {quantity!r}: the quantities are {', '.join(QUANTITIES)}")
@@ -230,43 +258,41 @@ def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
             raise VerifyError(f"adapter {adapter.label!r}: {why}")
     report, notes = Report(tolerances), []
     for quantity in accept:
-        report.rows[quantity]["known"] = known[quantity]
+        report.accept(quantity, known[quantity])
     for step in sorted(steps):
-        check_pure(report, adapter, ref, step, steps[step], args)
-    check_kl_coef(report, adapter, ref, steps, args)
-    if 1 not in steps or args.get("resume"):
-        notes.append("the dump does not start at step 1 from --model: no weight checks (they need its weights)")
-        return report, notes
-    if not any(hasattr(adapter, f) for f in ("token_logprobs", "train_loss", "update")):
-        for q, f in (("log-probs", "token_logprobs"), ("gradient", "train_loss"), ("update", "update")):
-            report.skip(q, f"adapter has no {f}()")
-        return report, notes
-    tol = tolerances["log-probs"][1]
-    if args["script"] == "grpo":
-        check_grpo_weights(report, adapter, ref, steps, args, initial, tol, notes)
-    else:
-        check_ppo_weights(report, adapter, ref, steps, args, initial, critic, tol, notes)
-    check_update(report, adapter, ref, steps, args, initial)
+        with Recomputing(f"step {step}"):
+            check_pure(report, adapter, ref, step, steps[step], args)
+    with Recomputing("the KL coefficients"):
+        check_kl_coef(report, adapter, ref, steps, args)
+    with Recomputing("the weights (replaying the dump's updates)"):
+        check_weights(report, adapter, ref, steps, args, initial, critic, notes)
     return report, notes
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dump_dir", help="the --dump-dir of a grpo.py or ppo.py run")
-    parser.add_argument("--against", default="self", help="adapter: self, trl, verl, openrlhf, or a .py file")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
-    parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
-    parser.add_argument(
-        "--accept",
-        action="append",
-        default=[],
-        metavar="QUANTITY",
-        help="accept the adapter's declared known difference in this quantity (shown, not passed)",
+def precision_note(args, meta, report):
+    """Why the rows recomputed from the weights fail on a dump made under bfloat16 autocast."""
+    failed = [q for q in WEIGHT_ROWS if report.status(q) == "fail"]
+    dtype = meta.get("autocast_dtype") or (None if args["dtype"] == "auto" else args["dtype"])
+    if not failed or dtype == "float32":
+        return []
+    made = (
+        f"under {dtype} autocast"
+        if dtype
+        else "with --dtype auto by an older version, which does not record it: bfloat16 on a GPU or a CPU with "
+        "native bfloat16"
     )
-    opts = parser.parse_args(argv)
+    return [
+        f"the dump was made {made}: its stored log-probs and values carry bfloat16's rounding (about 1e-2) and "
+        f"verify recomputes them in float32, so {', '.join(failed)} cannot pass at float32 tolerances: make the dump "
+        "with --dtype float32"
+    ]
+
+
+def run(opts):
+    """The whole verification (in the child process of main): its output, and its exit status."""
     try:
         tolerances = parse_tolerances(opts.tol)
-        args, steps, notes = load_dump(opts.dump_dir)
+        args, steps, notes, meta = load_dump(opts.dump_dir)
         ref = load_adapter("self")
         try:  # before the adapter is imported: what it stubs cannot break the models' loading
             models = ref.initial_models(args)
@@ -280,35 +306,49 @@ def main(argv=None):
         torch.manual_seed(0)
         report, more = verify(args, steps, adapter, options, tolerances, models, opts.accept)
         differences = call(adapter, "differences", args, options)[0] if hasattr(adapter, "differences") else []
+        if not isinstance(differences, (list, tuple)) or not all(isinstance(line, str) for line in differences):
+            raise AdapterError(f"adapter {adapter.label!r}: differences() must return a list of lines (str)")
     except VerifyError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3
+        return ADAPTER_MISTAKE
     except (Interrupted, KeyboardInterrupt) as e:
         print(f"interrupted{' ' + str(e) if str(e) else ''}: no result", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     span = f"steps {min(steps)}-{max(steps)}"
     with_options = f" {options}" if options else ""
     print(f"{args['script']}.py dump {opts.dump_dir} ({span}) against {adapter.label}{with_options}")
     print(report.table())
-    for note in notes + more:
+    for note in notes + more + precision_note(args, meta, report):
         print(f"note: {note}")
-    failures = report.failures()
     if differences:
-        print("known differences for this run:" if failures else "known differences (within tolerance here):")
+        print("known differences of this adapter (a row within its tolerance did not show them):")
         print("\n".join(f"  - {line}" for line in differences))
-    unexercised = [q for q in QUANTITIES if report.passed(q) and report.unexercised(q)]
-    if failures:
-        print(f"FAIL: {', '.join(failures)}")
-    else:
-        print(
-            "all checks that ran passed"
-            + (f"; never exercised by this dump: {', '.join(unexercised)} (see the table)" if unexercised else "")
-        )
-    return 1 if failures else 0
+    line, status = report.summary()
+    print(line)
+    return status
+
+
+def main(argv=None, fresh=False):
+    """verify.py's command line; `fresh`: this process has run no torch yet (the script), so the child process
+    the checks run in keeps torch's threads (isolation.py)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dump_dir", help="the --dump-dir of a grpo.py or ppo.py run")
+    parser.add_argument("--against", default="self", help="adapter: self, trl, verl, openrlhf, or a .py file")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
+    parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
+    parser.add_argument(
+        "--accept",
+        action="append",
+        default=[],
+        metavar="QUANTITY",
+        help="accept the adapter's declared known difference in this quantity, within its declared bound",
+    )
+    opts = parser.parse_args(argv)
+    return isolation.run(run, opts, threads=None if fresh else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(fresh=True))

@@ -27,7 +27,7 @@ from common import approx_kl, clip_fraction, masked_mean
 from machinery import checkpoints, lora
 from machinery import distributed as dist
 from machinery.errors import Interrupted, UsageError
-from machinery.models import TINY_MODEL
+from machinery.models import TINY_MODELS
 
 
 @dataclass
@@ -311,7 +311,7 @@ def run_name(args):
 def apply_hub_defaults(args, hub_defaults, given=()):
     """On a model other than the tiny one (or with --preset hub), each field of `hub_defaults` still at its Args
     default takes the hub value, unless it is in `given` (set on the command line). Returns `tiny` or `hub`."""
-    preset = args.preset or ("tiny" if args.model == TINY_MODEL else "hub")
+    preset = args.preset or ("tiny" if args.model in TINY_MODELS else "hub")
     if preset == "hub":
         defaults = {field.name: field.default for field in dataclasses.fields(args)}
         for key, value in hub_defaults.items():

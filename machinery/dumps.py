@@ -55,9 +55,14 @@ def start_dumps(args, script, run_dir):
             raise UsageError(
                 f"--dump-dir {dump_dir} already holds files of {owner or 'another run'}: pass an empty or new folder"
             )
+    from machinery import precision
+
+    device = precision.pick_device()  # the dtype resolve_dtype printed: verify.py names it when a check misses
+    dtype, _ = precision.choose_dtype(args.dtype, device.type, precision.native_bf16(device), args.model)
     meta = {
         "script": script,
         "run_dir": run_dir,
+        "autocast_dtype": str(dtype).removeprefix("torch."),
         "args": vars(args),
         "versions": {
             "python": platform.python_version(),

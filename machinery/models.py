@@ -13,23 +13,29 @@ from machinery import gguf_convert, model_checks
 from machinery.errors import UsageError
 
 TINY_MODEL = "tiny"
+# The same tiny model as GPT-2, whose positions are learned and absolute: a position id that ignores left padding
+# changes its log-probs, where the rotary positions of `tiny` are blind to that uniform shift (verify.py's dumps).
+TINY_GPT2_MODEL = "tiny-gpt2"
+TINY_MODELS = (TINY_MODEL, TINY_GPT2_MODEL)
 TINY_CHARS = "0123456789+-*/=() ,.:?"  # enough for every built-in task
 TINY_VERSION = 1  # bump when the recipe below changes, so old cached copies are rebuilt
 
 
-def tiny_model_dir():
+def tiny_model_dir(name=TINY_MODEL):
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    return os.path.join(cache, "ppo-grpo-reference", f"tiny-qwen2-v{TINY_VERSION}")
+    kind = "gpt2" if name == TINY_GPT2_MODEL else "qwen2"
+    return os.path.join(cache, "ppo-grpo-reference", f"tiny-{kind}-v{TINY_VERSION}")
 
 
-def build_tiny_model(folder):
-    """Write the built-in tiny model: a character-level tokenizer and a ~1M-parameter Qwen2, random init.
+def build_tiny_model(folder, name=TINY_MODEL):
+    """Write a built-in tiny model: a character-level tokenizer and a ~1M-parameter Qwen2 (`tiny`) or GPT-2
+    (`tiny-gpt2`: learned absolute positions), random init.
 
     It is saved like any hub model, so it then goes through the same AutoModel/AutoTokenizer path.
     The init is seeded, so every machine builds the same weights.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     specials = ["<pad>", "<eos>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials + list(TINY_CHARS))}
@@ -52,9 +58,23 @@ def build_tiny_model(folder):
         eos_token_id=vocab["<eos>"],
         bos_token_id=None,
     )
+    model_class = Qwen2ForCausalLM
+    if name == TINY_GPT2_MODEL:
+        config = GPT2Config(
+            vocab_size=len(vocab),
+            n_embd=128,
+            n_layer=4,
+            n_head=4,
+            n_positions=256,
+            tie_word_embeddings=True,
+            pad_token_id=vocab["<pad>"],
+            eos_token_id=vocab["<eos>"],
+            bos_token_id=None,
+        )
+        model_class = GPT2LMHeadModel
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     tmp = f"{folder}.tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -66,11 +86,12 @@ def build_tiny_model(folder):
 
 
 def resolve_model_path(name, flag="--model"):
-    """`tiny`: the built-in tiny model; FILE.gguf: its converted folder (both made in the cache); else as given."""
-    if name == TINY_MODEL:
-        folder = tiny_model_dir()
+    """`tiny`, `tiny-gpt2`: a built-in tiny model; FILE.gguf: its converted folder (both made in the cache); else as
+    given."""
+    if name in TINY_MODELS:
+        folder = tiny_model_dir(name)
         if not os.path.isdir(folder):
-            build_tiny_model(folder)
+            build_tiny_model(folder, name)
         return folder
     if name.lower().endswith(".gguf") and not os.path.isdir(name):  # a folder named x.gguf is a folder
         return gguf_convert.gguf_folder(name, os.path.dirname(tiny_model_dir()), flag)
@@ -271,7 +292,7 @@ def check_vocabulary(tokenizer, task, model_name):
     or whose answers it could not write (Task.answers: refused if "written", a note if "yours")."""
     advice = (
         "use a hub model with --model, or a task the tiny model reads (copy, arithmetic)"
-        if model_name == TINY_MODEL
+        if model_name in TINY_MODELS
         else "use a model whose tokenizer has them, or remove them from the task"
     )
     examples = task.train + task.test

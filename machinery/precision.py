@@ -11,7 +11,7 @@ import torch
 
 from machinery import distributed as dist
 from machinery.errors import UsageError
-from machinery.models import TINY_MODEL
+from machinery.models import TINY_MODELS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -50,7 +50,7 @@ def choose_dtype(name, device_type, native, model_name):
         return DTYPES[name], f"--dtype {name}"
     if native and device_type == "cuda":
         return torch.bfloat16, "auto: this GPU computes bfloat16"
-    if device_type == "cpu" and model_name == TINY_MODEL:
+    if device_type == "cpu" and model_name in TINY_MODELS:
         return torch.float32, "auto: the built-in tiny model runs in float32 on a CPU (its step is not matmuls)"
     if native and device_type == "cpu":
         return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({native}); --dtype float32 for float32"

@@ -1,6 +1,7 @@
 """verify.py's checks that need the weights: the run replayed from --model with this project's loss and AdamW
-(every GRPO iteration, every PPO minibatch), each replay checked against the stored log-probs before the adapter's
-log-probs, gradient and optimizer are compared on it.
+(every GRPO iteration, every PPO minibatch). The replay row compares each replayed model with what the dump stored
+(the policy's log-probs, the critic's values) before the adapter's log-probs, gradient and optimizer are compared on
+it; a replay that stops matching fails that row at its step, and the rows after it say where they stopped.
 """
 
 import copy
@@ -8,7 +9,11 @@ import copy
 import torch
 
 from common import select_rows
-from verifier.report import EARLY, AdapterError, call, compare, loss_conditions, one_line, ppo_micro_batch, whole_batch
+from verifier.calls import AdapterError, call, compare
+from verifier.dump import inputs, micro_batch, whole_batch
+from verifier.report import EARLY, loss_conditions, one_line
+
+WEIGHT_ROWS = ("replay", "log-probs", "gradient", "update")
 
 
 def gradients(loss_fn, models):
@@ -45,14 +50,14 @@ def adapter_gradients(adapter, models, batch, args):
     return torch.cat([g.flatten() for g in grads]), None
 
 
-def check_logprobs(report, adapter, ref, step, model, batch, expected, what, initial=None, args=None):
+def check_logprobs(report, adapter, step, model, batch, expected, what, args, initial=None):
     """The adapter's log-probs from `model` against the stored ones (and from the reference, `initial`)."""
-    mask = batch["completion_mask"]
+    mask, given = batch["completion_mask"], inputs("token_logprobs", batch, args)
     with torch.no_grad():
-        theirs, why = call(adapter, "token_logprobs", copy.deepcopy(model).eval(), batch, args)
+        theirs, why = call(adapter, "token_logprobs", copy.deepcopy(model).eval(), given, args)
         compare(report, "log-probs", step, adapter, "token_logprobs", theirs, expected, mask, what)
         if theirs is not None and initial is not None and "ref_logp" in batch:
-            reference, _ = call(adapter, "token_logprobs", copy.deepcopy(initial).eval(), batch, args)
+            reference, _ = call(adapter, "token_logprobs", copy.deepcopy(initial).eval(), given, args)
             compare(
                 report, "log-probs", step, adapter, "token_logprobs", reference, batch["ref_logp"], mask, "ref_logp"
             )
@@ -63,27 +68,42 @@ def check_logprobs(report, adapter, ref, step, model, batch, expected, what, ini
 
 
 def check_gradient(report, adapter, ref, step, batch, args, models):
-    if not hasattr(adapter, "train_loss"):
-        return report.skip("gradient", "adapter has no train_loss()")
-    ours = gradients(lambda: ref.train_loss(models[0], batch, args, *models[1:]), models)
-    theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], batch, args)
-    if theirs is not None:
-        report.add("gradient", step, theirs, ours)
-        loss_conditions(report, ["gradient"], ref, batch, args)
+    given = inputs("train_loss", batch, args)
+    ours = gradients(lambda: ref.train_loss(models[0], given, args, *models[1:]), models)
     if args["script"] == "grpo":
         report.exercise("update", "the gradient's norm clipped", ours.norm() > args["max_grad_norm"])
+    theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], given, args)
+    if theirs is not None:
+        report.add("gradient", step, theirs, ours)
+        loss_conditions(report, ["gradient"], ref, inputs("loss", batch, args), args)
     report.skip("gradient", why)
 
 
-def replayed_miss(ref, model, batch, expected, args):
+def replayed(report, ref, step, models, batch, stored, args):
+    """The replay row at `step`: the replayed policy's log-probs and critic's values against the stored `stored`
+    (log-probs' key, values' key or None). Whether they match (within the replay's tolerance)."""
+    mask, (policy, critic) = batch["completion_mask"], models
     with torch.no_grad():
-        ours = ref.token_logprobs(model.eval(), batch, args)
-    return (ours - expected)[batch["completion_mask"].bool()].abs().max().item()
+        logp = ref.token_logprobs(policy.eval(), batch, args)
+        report.add("replay", step, logp, batch[stored[0]], mask, f"the policy's {stored[0]}")
+        if critic is not None and stored[1]:
+            values = ref.token_values(critic.eval(), batch, args)
+            report.add("replay", step, values, batch[stored[1]], mask, f"the critic's {stored[1]}")
+    report.exercise("replay", "a step after the first (weights the dump's updates moved)", step > 1)
+    tolerance = report.limit("replay", *report.tolerances["replay"])
+    return report.rows["replay"]["steps"][step]["diff"] <= tolerance
 
 
-def replay_grpo(ref, policy, opt, d, args, iterations):
+def stopped(report, step, why):
+    """The replay cannot go on from `step`: each weight row says so beside what it compared before."""
+    for q in WEIGHT_ROWS:
+        report.unchecked(q, f"not checked from step {step}: {why}")
+    return step
+
+
+def replay_grpo(ref, policy, opt, batch, args, iterations):
     """`iterations` of grpo.py's optimizer steps on this step's batch, micro-batch by micro-batch."""
-    batch, N, size = whole_batch(d, args), len(d["completion_mask"]), args["micro_batch_size"]
+    N, size = len(batch["completion_mask"]), args["micro_batch_size"]
     policy.train()
     for _ in range(iterations):
         opt.zero_grad(set_to_none=True)
@@ -108,69 +128,80 @@ def replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args):
     opt.step()
 
 
-def check_grpo_weights(report, adapter, ref, steps, args, initial, tol, notes):
+MISMATCH = "the replay stopped matching the dump (see the replay row)"
+
+
+def check_grpo_weights(report, adapter, ref, steps, args, initial):
+    """Every step replayed; returns the step the replay could not reach (None: it reached every one)."""
     policy, mu = copy.deepcopy(initial), args["num_iterations"]
     opt, scheduler = ref.optimizer(policy, args)
     for step in sorted(steps):
+        if step > 1 and step - 1 not in steps:
+            return stopped(
+                report, step, f"step {step - 1} is not in the dump, so the weights cannot be replayed past it"
+            )
         d = steps[step]
-        if step > 1:  # the replayed weights must give what the run stored, or the checks below mean nothing
-            miss = replayed_miss(ref, policy, whole_batch(d, args), d["old_logp" if mu > 1 else "new_logp"], args)
-            if step - 1 not in steps or miss > tol:
-                notes.append(f"weights replayed to step {step} miss its log-probs by {miss:.1e}: checks stop")
-                break
-        replay_grpo(ref, policy, opt, d, args, mu - 1)  # the dump holds the last iteration
-        batch = whole_batch(d, args)
-        check_logprobs(report, adapter, ref, step, policy, batch, d.get("new_logp"), "new_logp", initial, args)
-        check_gradient(report, adapter, ref, step, batch, args, [policy])
-        replay_grpo(ref, policy, opt, d, args, 1)
+        batch = inputs("train_loss", whole_batch(d, args), args)
+        if not replayed(report, ref, step, (policy, None), whole_batch(d, args), ("old_logp", None), args):
+            return stopped(report, step, MISMATCH)
+        replay_grpo(ref, policy, opt, batch, args, mu - 1)  # the dump holds the last iteration
+        if mu > 1 and not replayed(report, ref, step, (policy, None), whole_batch(d, args), ("new_logp", None), args):
+            return stopped(report, step, MISMATCH)
+        check_logprobs(report, adapter, step, policy, whole_batch(d, args), d["new_logp"], "new_logp", args, initial)
+        check_gradient(report, adapter, ref, step, whole_batch(d, args), args, [policy])
+        replay_grpo(ref, policy, opt, batch, args, 1)
         scheduler.step()
+    return None
 
 
-def check_ppo_weights(report, adapter, ref, steps, args, initial, critic, tol, notes):
+def check_ppo_weights(report, adapter, ref, steps, args, initial, critic):
+    """Every step and minibatch replayed; returns the step the replay could not reach (None: every one)."""
     policy, critic = copy.deepcopy(initial), copy.deepcopy(critic)
     opt, scheduler = ref.optimizer(policy, args, critic)
+    reference = initial if args["kl_coef"] > 0 or args["target_kl"] is not None else None
     for step in sorted(steps):
+        if step > 1 and step - 1 not in steps:
+            return stopped(
+                report, step, f"step {step - 1} is not in the dump, so the weights cannot be replayed past it"
+            )
         d, batch = steps[step], whole_batch(steps[step], args)
-        miss = replayed_miss(ref, policy, batch, d["old_logp"], args)
-        if step > 1 and (step - 1 not in steps or miss > tol):
-            notes.append(f"weights replayed to step {step} miss its old log-probs by {miss:.1e}: checks stop")
-            break
-        reference = initial if args["kl_coef"] > 0 or args["target_kl"] is not None else None
-        check_logprobs(report, adapter, ref, step, policy, batch, d["old_logp"], "old_logp", reference, args)
-        micro = ppo_micro_batch(d)
-        if "minibatches" not in d or micro is None:
-            report.skip("gradient", "the dump has no minibatches (made by an older version): nothing to replay")
-            break
+        if not replayed(report, ref, step, (policy, critic), batch, ("old_logp", "values"), args):
+            return stopped(report, step, MISMATCH)
+        check_logprobs(report, adapter, step, policy, batch, d["old_logp"], "old_logp", args, reference)
+        micro = micro_batch(d)
+        if micro is None:
+            why = "the dump has no minibatches (made by an older version): nothing to replay"
+            return stopped(report, step, why)
         order = d["minibatches"].view(-1, len(d["minibatch_index"]))
         for u, minibatch in enumerate(order):
             if u == len(order) - 1:  # the dumped micro-batch: the models have moved by u updates
-                miss = replayed_miss(ref, policy, micro, d["new_logp"], args)
-                if miss > tol:
-                    notes.append(f"the replay of step {step}'s updates misses its new log-probs by {miss:.1e}")
-                    return
-                check_logprobs(report, adapter, ref, step, policy, micro, d["new_logp"], "new_logp", None, args)
+                if not replayed(report, ref, step, (policy, critic), micro, ("new_logp", "new_values"), args):
+                    return stopped(report, step, MISMATCH)
+                check_logprobs(report, adapter, step, policy, micro, d["new_logp"], "new_logp", args)
                 check_gradient(report, adapter, ref, step, micro, args, [m for m in (policy, critic) if m is not None])
-            replay_ppo_update(ref, opt, policy, critic, batch, minibatch, args)
+            replay_ppo_update(ref, opt, policy, critic, inputs("train_loss", batch, args), minibatch, args)
         scheduler.step()
+    return None
 
 
-def check_update(report, adapter, ref, steps, args, initial):
-    """GRPO: the adapter's optimizer, its state kept, from the initial weights through the steps."""
+def check_update(report, adapter, ref, steps, args, initial, reached):
+    """GRPO: the adapter's optimizer, its state kept, from the initial weights through the steps the replay
+    reached (`reached`: the first it did not, or None)."""
     if args["script"] == "ppo":
         return report.skip("update", "PPO: its updates are replayed by this project's optimizer (gradient row)")
     if not hasattr(adapter, "update"):
         return report.skip("update", "adapter has no update()")
-    model, state, key = copy.deepcopy(initial), {}, "old_logp" if args["num_iterations"] > 1 else "new_logp"
+    model, state = copy.deepcopy(initial), {}
     for step in sorted(steps):
-        if step + 1 not in steps:
+        if step + 1 not in steps or (reached is not None and step + 1 >= reached):
             break
-        _, why = call(adapter, "update", model, whole_batch(steps[step], args), args, state)
+        _, why = call(adapter, "update", model, inputs("update", whole_batch(steps[step], args), args), args, state)
         if why:
             return report.skip("update", why)
         following = whole_batch(steps[step + 1], args)
         with torch.no_grad():
             after = ref.token_logprobs(copy.deepcopy(model).eval(), following, args)
-        report.add("update", step, after, following[key], following["completion_mask"], key)
+        report.add("update", step, after, following["old_logp"], following["completion_mask"], "old_logp")
         report.exercise("update", "a step after the first (the optimizer's state carried over)", step > 1)
         report.exercise("update", "weight decay", args["weight_decay"] > 0)
     report.skip("update", "needs two consecutive steps")

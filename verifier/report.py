@@ -1,23 +1,17 @@
-"""verify.py's plumbing: reading a dump and an adapter, calling the adapter's functions so that any mistake in
-them is one line, and the table of differences (its rows, tolerances, and what each row could not have caught).
+"""verify.py's table: one row per quantity, its tolerance, a known difference accepted within its declared bound,
+what the dump could not exercise, and the summary line with the exit status.
 """
 
-import dataclasses
-import glob
-import importlib.util
-import json
 import math
-import os
 
 import torch
-from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 QUANTITIES = [
     "advantages",
     "rewards",
     "returns",
     "kl_coef",
+    "replay",
     "log-probs",
     "kl",
     "per-token loss",
@@ -25,17 +19,21 @@ QUANTITIES = [
     "gradient",
     "update",
 ]
-# (kind, value): "abs" bounds max |ours - theirs| over the real tokens, "rel" bounds it over max |ours|. Whitened
-# or normalised quantities (advantages), scale-free ones (gradient, kl_coef) and the KL (it grows with the
-# policy's distance from the reference: float noise with it) are relative. Float32 on CPU; a
-# dump made under bf16 autocast needs --tol log-probs=1e-2. Adam's update moves an element whose gradient is near
-# 0 by up to the learning rate either way in two right implementations: after two steps at lr 1e-2, TRL's log-probs
-# are 1.2e-4 from ours; wrong Adam betas (0.99) give 1e-2, a reset optimizer 3: the update gets 1e-3.
+# (kind, value): "abs" bounds max |ours - theirs| over the real tokens of every step; "rel" bounds it over the row's
+# scale, the largest |ours| over every step (a row that is 0 everywhere: over 1), never element by element, so a
+# value near 0 (the KL at step 1, a loss of 1e-9) does not blow it up. Whitened or normalised quantities
+# (advantages), scale-free ones (gradient, kl_coef) and the KL (it grows with the policy's distance from the
+# reference: float noise with it) are relative. Float32 on CPU. The replay (this project's own updates, replayed
+# from --model, against the dump's stored log-probs and values) and the log-probs are float32 forward passes of
+# the same weights: 1e-5. Adam's update moves an element whose gradient is near 0 by up to the learning rate either
+# way in two right implementations: after two steps at lr 1e-2, TRL's log-probs are 1.2e-4 from ours; wrong Adam
+# betas (0.99) give 1e-2, a reset optimizer 3: the update gets 1e-3.
 TOLERANCES = {
     "advantages": ("rel", 1e-5),
     "rewards": ("abs", 1e-6),
     "returns": ("abs", 1e-6),
     "kl_coef": ("rel", 1e-6),
+    "replay": ("abs", 1e-5),
     "log-probs": ("abs", 1e-5),
     "kl": ("rel", 1e-6),
     "per-token loss": ("abs", 1e-6),
@@ -43,21 +41,11 @@ TOLERANCES = {
     "gradient": ("rel", 1e-5),
     "update": ("abs", 1e-3),
 }
-FUNCTIONS = [
-    "group_advantages",
-    "gae",
-    "rewards",
-    "kl_coef",
-    "token_logprobs",
-    "kl",
-    "per_token_loss",
-    "loss",
-    "train_loss",
-    "update",
-]
-# Tensors of a PPO dump that belong to its one dumped micro-batch, or to the whole step (not one row each).
-MICRO_KEYS = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
-STEP_KEYS = ("eos_ids", "kl_coef", "loss", "minibatches")
+LOSS_ROWS = ("per-token loss", "loss", "gradient")  # a pass needs one of these and the advantages (MINIMUM)
+MINIMUM = "a pass needs the advantages row and a loss row (per-token loss, loss or gradient) compared"
+# verify.py's exit statuses (its docstring documents them).
+PASSED, FAILED, BAD_INPUT, ADAPTER_MISTAKE, INCOMPLETE, INTERRUPTED = 0, 1, 2, 3, 4, 130
+EARLY = "a completion that ends early"
 
 
 class VerifyError(Exception):
@@ -77,57 +65,13 @@ def one_line(e):
     return text[0][:300] if text else type(e).__name__
 
 
-def load_adapter(name):
-    """A shipped adapter (adapters/NAME.py) or a path to a .py file."""
-    path = name if name.endswith(".py") or os.sep in name else os.path.join(ROOT, "adapters", f"{name}.py")
-    if not os.path.isfile(path):
-        shipped = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "adapters", "*.py")))
-        raise VerifyError(f"no adapter {name!r}: pass one of {', '.join(shipped)} or the path of a .py file")
-    label = os.path.basename(path)[:-3]
-    spec = importlib.util.spec_from_file_location(f"verify_adapter_{label}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        raise VerifyError(f"adapter {label!r} cannot be imported: {one_line(e)}") from None
-    except SyntaxError as e:
-        raise AdapterError(f"adapter {label!r} does not compile: {e.filename}:{e.lineno}: {e.msg}") from None
-    except KeyboardInterrupt:
-        raise Interrupted(f"while importing adapter {label!r}") from None
-    except SystemExit as e:
-        raise AdapterError(f"adapter {label!r} called sys.exit({e.code!r}) on import") from None
-    except Exception as e:
-        raise AdapterError(f"adapter {label!r} raised {type(e).__name__} on import: {one_line(e)}") from None
-    if not any(callable(getattr(module, f, None)) for f in FUNCTIONS):
-        raise VerifyError(f"adapter {label!r} ({path}) defines none of the functions {', '.join(FUNCTIONS)}")
-    module.label = label
-    return module
-
-
-def parse_options(adapter, pairs):
-    """--set name=value pairs, checked against the adapter's OPTIONS and typed like their defaults."""
-    options = dict(getattr(adapter, "OPTIONS", {}))
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in options:
-            known = f"(options: {', '.join(options) or 'none'})"
-            raise VerifyError(f"--set {pair!r}: adapter {adapter.label!r} has no option {key!r} {known}")
-        kind = type(options[key])
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise VerifyError(f"--set {pair!r}: {key} takes true or false")
-            options[key] = value.lower() == "true"
-            continue
-        try:
-            options[key] = kind(value)
-        except (TypeError, ValueError):
-            raise VerifyError(f"--set {pair!r}: {key} takes a {kind.__name__}, like its default {options[key]!r}")
-        if kind is float and not math.isfinite(options[key]):
-            raise VerifyError(f"--set {pair!r}: {key} must be a finite number")
-    return options
+def number(x):
+    """A difference as the table prints it: NaN and inf by name."""
+    return "NaN" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:.2e}"
 
 
 def parse_tolerances(pairs):
+    """--tol QUANTITY=VALUE pairs over TOLERANCES (the kind stays)."""
     tolerances = dict(TOLERANCES)
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -143,218 +87,172 @@ def parse_tolerances(pairs):
     return tolerances
 
 
-def script_fields(script):
-    """{field: default} of grpo.Args or ppo.Args."""
-    import grpo
-    import ppo
-
-    args_class = {"grpo": grpo.Args, "ppo": ppo.Args}[script]
-    fields = {}
-    for f in dataclasses.fields(args_class):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        fields[f.name] = default
-    return fields
-
-
-def load_dump(dump_dir):
-    """(the run's Args as a dict, plus "script"; {step: tensors}; notes), or one line saying why this is not a
-    dump. Flags the run had not (a dump of an older version) get their defaults, named in a note."""
-    meta_path = os.path.join(dump_dir, "metadata.json")
-    if not os.path.isfile(meta_path):
-        raise VerifyError(f"{dump_dir!r} is not a dump folder (no metadata.json): pass a run's --dump-dir")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        args = dict(meta["args"], script=meta["script"])
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise VerifyError(f"{meta_path} is not a dump's metadata ({type(e).__name__}: {one_line(e)})") from None
-    if args["script"] not in ("grpo", "ppo"):
-        raise VerifyError(f"{meta_path} is from {args['script']!r}, not grpo or ppo")
-    fields, notes = script_fields(args["script"]), []
-    unknown = sorted(set(args) - set(fields) - {"script"})
-    if unknown:
-        raise VerifyError(
-            f"{meta_path} says {args['script']}.py but holds flags it has not ({', '.join(unknown[:4])}):"
-            " the metadata of another script or version; make the dump again with this version"
-        )
-    missing = sorted(set(fields) - set(args))
-    if missing:
-        args.update({k: fields[k] for k in missing})
-        notes.append(f"the dump has no {', '.join(missing)} (an older version): their defaults are used")
-    paths = sorted(glob.glob(os.path.join(dump_dir, "step*.safetensors")))
-    if not paths:
-        raise VerifyError(f"{dump_dir!r} has no stepNNNNNN.safetensors: the run stopped before its first step")
-    steps = {}
-    for path in paths:
-        try:
-            steps[int(os.path.basename(path)[4:-12])] = load_file(path)
-        except Exception as e:  # a truncated or foreign file
-            raise VerifyError(f"{path} cannot be read ({type(e).__name__}: {one_line(e)})") from None
-    for step, d in steps.items():
-        missing = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} - d.keys()
-        if missing:
-            raise VerifyError(f"step {step} lacks {', '.join(sorted(missing))}: not a dump of this project")
-        shape = tuple(d["completion_mask"].shape)
-        for key, value in d.items():
-            if value.dim() == 2 and not key.startswith("prompt") and value.shape[1] != shape[1]:
-                raise VerifyError(f"step {step}: {key} has shape {tuple(value.shape)}, completion_mask {shape}")
-        if d["prompt_ids"].shape != d["prompt_mask"].shape or len(d["prompt_ids"]) != shape[0]:
-            prompt = tuple(d["prompt_ids"].shape)
-            raise VerifyError(f"step {step}: prompt_ids {prompt} do not fit {shape[0]} completions")
-    return args, steps, notes
-
-
-def call(adapter, name, *args):
-    """The adapter's function's result and None, or None and why it is skipped (no such function, or it raised
-    NotImplementedError(reason)). Anything else it does wrong is an AdapterError naming it."""
-    fn = getattr(adapter, name, None)
-    if fn is None:
-        return None, f"adapter has no {name}()"
-    # Copies of the batch's tensors and of the run's args: an adapter that writes into them cannot change later
-    # checks (update()'s state, the one other dict, is the adapter's to keep).
-    args = [
-        {k: v.clone() if torch.is_tensor(v) else v for k, v in a.items()}
-        if isinstance(a, dict) and ("completion_mask" in a or "script" in a)
-        else a
-        for a in args
-    ]
-    try:
-        out = fn(*args)
-    except NotImplementedError as e:
-        return None, str(e) or f"{name}() is not implemented for this run"
-    except KeyboardInterrupt:
-        raise Interrupted(f"in adapter {adapter.label!r}'s {name}()") from None
-    except SystemExit as e:
-        raise AdapterError(f"adapter {adapter.label!r}: {name}() called sys.exit({e.code!r})") from None
-    except Exception as e:
-        raise AdapterError(f"adapter {adapter.label!r}: {name}() raised {type(e).__name__}: {one_line(e)}") from None
-    if out is None and name not in ("update", "setup"):
-        raise AdapterError(
-            f"adapter {adapter.label!r}: {name}() returned None: return its value, or raise "
-            "NotImplementedError(reason) to skip the check"
-        )
-    return out, None
-
-
-def as_tensor(adapter, name, value):
-    try:
-        return torch.as_tensor(value.detach() if torch.is_tensor(value) else value).float().cpu()
-    except Exception:
-        raise AdapterError(
-            f"adapter {adapter.label!r}: {name}() returned {type(value).__name__}, not a tensor"
-        ) from None
+def describe_known(spec):
+    kind, bound = spec["bound"]
+    return f"{spec['why']} ({spec['where']}); bound {kind} {bound:.0e}"
 
 
 class Report:
-    """One row per quantity: the worst difference over the steps checked, or why it was skipped; with what the
-    dump could not exercise (a condition no step met), and a known difference accepted by --accept."""
+    """One row per quantity: the differences of every step checked, or why it was skipped; the conditions the
+    dump could not exercise; a known difference accepted by --accept, with the bound it must stay within."""
 
     def __init__(self, tolerances):
-        self.rows = {
-            q: dict(steps={}, abs=0.0, rel=0.0, skip=None, nonfinite=False, conditions={}, known=None)
-            for q in QUANTITIES
-        }
+        self.rows = {q: dict(steps={}, skip=None, conditions={}, known=None, unchecked=None) for q in QUANTITIES}
         self.tolerances = tolerances
 
     def skip(self, quantity, reason):
         if reason and not self.rows[quantity]["steps"] and self.rows[quantity]["skip"] is None:
             self.rows[quantity]["skip"] = reason
 
+    def unchecked(self, quantity, reason):
+        """Steps of a row that were compared no further (the replay stopped matching): said beside its result."""
+        if self.rows[quantity]["steps"]:
+            self.rows[quantity]["unchecked"] = self.rows[quantity]["unchecked"] or reason
+        else:
+            self.skip(quantity, reason)
+
     def exercise(self, quantity, condition, met):
         """Record whether this step meets `condition`, a branch the row claims to check."""
         conditions = self.rows[quantity]["conditions"]
         conditions[condition] = conditions.get(condition, False) or bool(met)
 
-    def add(self, quantity, step, actual, expected, mask=None, what=""):
+    def add(self, quantity, step, actual, expected, mask=None, what="", scale=None):
         """Compare `actual` (the adapter's, already a float tensor of the dump's shape) with `expected` on the
-        positions `mask` keeps. A NaN or inf on either side fails the row."""
+        positions `mask` keeps. `scale`: the size this step's values are measured against (default: the largest
+        |expected|). A NaN or inf on either side fails the row; so does, under --accept, a sign flipped."""
         if expected is None:
             return self.skip(quantity, f"the dump has no {what}")
         expected = torch.as_tensor(expected).detach().float().cpu()
         if mask is not None:
             keep = torch.as_tensor(mask).bool()
             actual, expected = actual[keep], expected[keep]
-        row = self.rows[quantity]
-        if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
-            row["nonfinite"], diff, scale = True, math.inf, 1.0
+        both = torch.cat([actual.flatten(), expected.flatten()])
+        nonfinite = "NaN" if both.isnan().any() else "inf" if both.isinf().any() else None
+        gap = (actual - expected).abs()
+        if nonfinite:
+            diff, flip = (math.nan if nonfinite == "NaN" else math.inf), 0.0
         else:
-            diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-            scale = expected.abs().max().item() if expected.numel() else 0.0
-        diffs, at_step = (
-            dict(abs=diff, rel=diff / max(scale, 1e-30)),
-            row["steps"].setdefault(step, dict(abs=0.0, rel=0.0)),
+            diff = gap.max().item() if gap.numel() else 0.0
+            flipped = gap[(actual * expected) < 0]  # opposite signs: never a known difference
+            flip = flipped.max().item() if flipped.numel() else 0.0
+        if scale is None:
+            finite = expected[expected.isfinite()].abs()
+            scale = finite.max().item() if finite.numel() else 0.0
+        row = self.rows[quantity]
+        old = row["steps"].get(step, dict(diff=0.0, scale=0.0, flip=0.0, nonfinite=None, what=what))
+        worse = not diff <= old["diff"]  # a NaN is worse than anything
+        row["steps"][step] = dict(
+            diff=diff if worse else old["diff"],
+            scale=max(old["scale"], float(scale)),
+            flip=max(old["flip"], flip),
+            nonfinite=old["nonfinite"] or nonfinite,
+            what=what if worse else old["what"],
         )
-        for kind, value in diffs.items():
-            row[kind], at_step[kind] = max(row[kind], value), max(at_step[kind], value)
         row["skip"] = None
 
+    def accept(self, quantity, spec):
+        self.rows[quantity]["known"] = spec
+
+    def scale(self, quantity):
+        """The row's scale: the largest one over its steps (1 where every value is 0)."""
+        return max((s["scale"] for s in self.rows[quantity]["steps"].values()), default=0.0) or 1.0
+
+    def limit(self, quantity, kind, value):
+        """The largest absolute difference `kind value` allows on this row."""
+        return value if kind == "abs" else value * self.scale(quantity)
+
+    def largest(self, quantity):
+        diffs = [s["diff"] for s in self.rows[quantity]["steps"].values()]
+        return math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+
+    def status(self, quantity):
+        """pass, known (a difference accepted within its bound), fail, or skip (nothing compared)."""
+        row = self.rows[quantity]
+        if not row["steps"]:
+            return "skip"
+        limit = self.limit(quantity, *self.tolerances[quantity])
+        largest = self.largest(quantity)
+        if largest <= limit:
+            return "pass"
+        known = row["known"]
+        nonfinite = any(s["nonfinite"] for s in row["steps"].values())
+        flipped = any(s["flip"] > limit for s in row["steps"].values())
+        if known and not nonfinite and not flipped and largest <= self.limit(quantity, *known["bound"]):
+            return "known"
+        return "fail"
+
     def passed(self, quantity):
-        row, (kind, tol) = self.rows[quantity], self.tolerances[quantity]
-        return row[kind] <= tol if row["steps"] else None
+        return {"pass": True, "known": False, "fail": False}.get(self.status(quantity))
 
     def unexercised(self, quantity):
         return [c for c, met in self.rows[quantity]["conditions"].items() if not met]
 
     def result(self, quantity):
-        row, (kind, tol) = self.rows[quantity], self.tolerances[quantity]
-        if self.passed(quantity):
+        row, status = self.rows[quantity], self.status(quantity)
+        if status == "skip":
+            return f"skip: {row['skip'] or 'no check of it ran on this dump'}"
+        limit = self.limit(quantity, *self.tolerances[quantity])
+        steps = sorted(row["steps"].items())
+        at = ",".join(str(s) for s, d in steps if not d["diff"] <= limit)
+        whats = sorted({d["what"] for _, d in steps if not d["diff"] <= limit and d["what"]})
+        named = whats and quantity in ("replay", "log-probs")
+        where = f" at step {at}" + (f" ({', '.join(whats)})" if named else "")
+        if status == "pass":
             missed = self.unexercised(quantity)
-            return "pass" + (f"; never exercised: {', '.join(missed)}" if missed else "")
-        failing = ",".join(str(s) for s, diffs in sorted(row["steps"].items()) if diffs[kind] > tol)
-        if row["known"]:
-            return f"differs (known: {row['known']}) at step {failing}"
-        return "FAIL" + (" (NaN or inf)" if row["nonfinite"] else "") + f" at step {failing}"
+            text = "pass" + (f"; never exercised: {', '.join(missed)}" if missed else "")
+        elif status == "known":
+            text = f"differs (known: {describe_known(row['known'])}){where}"
+        else:
+            nonfinite = next((d["nonfinite"] for _, d in steps if d["nonfinite"]), None)
+            why = f" ({nonfinite})" if nonfinite else ""
+            if row["known"] and not nonfinite:
+                kind, bound = row["known"]["bound"]
+                flipped = any(d["flip"] > limit for _, d in steps)
+                why = (
+                    " (a sign flipped: not the known difference)"
+                    if flipped
+                    else f" (beyond the known {kind} {bound:.0e})"
+                )
+            text = f"FAIL{why}{where}"
+        return text + (f"; {row['unchecked']}" if row["unchecked"] else "")
 
     def table(self):
         lines = ["| quantity | steps | max abs diff | max rel diff | tolerance | result |", "|---" * 6 + "|"]
         for q, row in self.rows.items():
             kind, tol = self.tolerances[q]
+            cells = ["-", "-", "-"]
             if row["steps"]:
-                steps = ",".join(map(str, sorted(row["steps"])))
-                lines.append(
-                    f"| {q} | {steps} | {row['abs']:.2e} | {row['rel']:.2e} | {kind} {tol:.0e} | {self.result(q)} |"
-                )
-            elif row["skip"]:
-                lines.append(f"| {q} | - | - | - | {kind} {tol:.0e} | skip: {row['skip']} |")
+                largest = self.largest(q)
+                cells = [",".join(map(str, sorted(row["steps"]))), number(largest), number(largest / self.scale(q))]
+            lines.append(f"| {q} | {' | '.join(cells)} | {kind} {tol:.0e} | {self.result(q)} |")
         return "\n".join(lines)
 
     def failures(self):
-        return [q for q in self.rows if self.passed(q) is False and not self.rows[q]["known"]]
+        return [q for q in QUANTITIES if self.status(q) == "fail"]
 
-
-EARLY = "a completion that ends early"
-
-
-def whole_batch(d, args):
-    """The step's batch (PPO: without its one micro-batch's tensors) with the loss's denominators."""
-    mask = d["completion_mask"]
-    batch = {k: v for k, v in d.items() if args["script"] == "grpo" or k not in MICRO_KEYS}
-    return dict(batch, num_seqs=len(mask), num_tokens=int(mask.sum()))
-
-
-def ppo_micro_batch(d):
-    """The dumped micro-batch with the log-probs and values its loss used (its loss divides by its minibatch's)."""
-    if "micro_index" not in d or "minibatch_index" not in d:
-        return None
-    idx, minibatch = d["micro_index"], d["minibatch_index"]
-    rows = {k: v[idx] for k, v in d.items() if k not in MICRO_KEYS + STEP_KEYS and v.dim() > 0}
-    whole = {k: d[k] for k in MICRO_KEYS[2:] + STEP_KEYS if k in d}
-    return dict(rows, **whole, num_seqs=len(minibatch), num_tokens=int(d["completion_mask"][minibatch].sum()))
-
-
-def compare(report, quantity, step, adapter, fn, value, expected, mask=None, what=""):
-    """The adapter's `value` (from `fn`) against the dump's `expected`, which must have the same shape."""
-    if value is None:
-        return
-    if expected is None:
-        return report.skip(quantity, f"the dump has no {what}")
-    actual = as_tensor(adapter, fn, value)
-    if actual.shape != expected.shape:
-        raise AdapterError(
-            f"adapter {adapter.label!r}: {fn}() returned shape {tuple(actual.shape)} at step {step}; "
-            f"the dump's {what} is {tuple(expected.shape)}"
-        )
-    report.add(quantity, step, actual, expected, mask, what)
+    def summary(self):
+        """(the last line, the exit status): FAIL, INCOMPLETE (too little compared: MINIMUM) or PASS."""
+        status = {q: self.status(q) for q in QUANTITIES}
+        failures = [q for q in QUANTITIES if status[q] == "fail"]
+        if failures:
+            return f"FAIL: {', '.join(failures)}", FAILED
+        compared = [q for q in QUANTITIES if status[q] in ("pass", "known")]
+        if "advantages" not in compared or not set(compared) & set(LOSS_ROWS):
+            missing = [q for q in ("advantages", *LOSS_ROWS) if q not in compared]
+            why = "; ".join(f"{q}: {self.rows[q]['skip'] or 'not compared'}" for q in missing)
+            return f"INCOMPLETE: compared {', '.join(compared) or 'nothing'}; {MINIMUM} (skipped: {why})", INCOMPLETE
+        passed = [q for q in compared if status[q] == "pass"]
+        accepted = [q for q in compared if status[q] == "known"]
+        line = f"PASS: {len(passed)} rows within their tolerances ({', '.join(passed)})"
+        if accepted:
+            line += (
+                f"; {len(accepted)} accepted as known differences, within their declared bounds and beyond the "
+                f"tolerance: {', '.join(accepted)}"
+            )
+        unexercised = [q for q in passed if self.unexercised(q)]
+        if unexercised:
+            line += f"; never exercised by this dump: {', '.join(unexercised)} (see the table)"
+        return line, PASSED
 
 
 def loss_conditions(report, quantities, ref, batch, args):

@@ -55,8 +55,15 @@ def outputs(model, batch, args, critic=None):
     )
     out = dict(new_logp=new_logp, entropy=entropy)
     if args["script"] == "ppo":  # no critic (--vf-coef 0): values of 0, as in ppo.py
-        out["new_values"] = ppo.token_values(critic, input_ids, attention_mask, mask)
+        out["new_values"] = token_values(critic, batch, args)
     return out
+
+
+def token_values(critic, batch, args):
+    """The critic's value of every completion token (PPO), as ppo.py computes them."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    return ppo.token_values(critic, input_ids, attention_mask, batch["completion_mask"])
 
 
 def token_logprobs(model, batch, args):
@@ -64,10 +71,11 @@ def token_logprobs(model, batch, args):
 
 
 def _loss(batch, args):
-    """The algorithm's compute_loss on the stored outputs: (loss, per-token terms)."""
+    """The algorithm's compute_loss on the stored outputs of the models (taken out of the batch: the loop passes
+    them apart): (loss, per-token terms)."""
     algorithm, flags = _algorithm(args)
-    stored = {key: batch[key] for key in ("new_logp", "new_values", "entropy") if key in batch}
-    return algorithm.compute_loss(stored, batch, flags)
+    stored = {key: batch[key] for key in common.MODEL_OUTPUTS if key in batch}
+    return algorithm.compute_loss(stored, {k: v for k, v in batch.items() if k not in stored}, flags)
 
 
 def kl(batch, args):
