@@ -1,7 +1,7 @@
 """Verify another implementation against this one, from a dump, in one command.
 
-    python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-2 \\
-        --clip-low 0.05 --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 0.1 \\
+    python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-3 \\
+        --clip-low 0.05 --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 1 \\
         --dump-dir dumps/grpo                                                     # the recommended GRPO dump
     python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
         --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1.2 \\
@@ -71,7 +71,9 @@ entropy); token_logprobs gets the ids and masks alone. See adapters/self.py for 
 
 import argparse
 import copy
+import os
 import sys
+import traceback
 
 import torch
 
@@ -229,12 +231,14 @@ class Recomputing:
     def __enter__(self):
         return self
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, kind, error, trace):
         if kind is None or issubclass(kind, (VerifyError, AdapterError, Interrupted, KeyboardInterrupt)):
             return False
+        frame = traceback.extract_tb(trace)[-1]  # where, should it be a mistake of verify's rather than the dump's
         raise VerifyError(
-            f"this project cannot recompute {self.where} ({kind.__name__}: {one_line(error)}): the dump is damaged "
-            "or of another version; make it again"
+            f"this project cannot recompute {self.where} ({kind.__name__}: {one_line(error)}, in "
+            f"{os.path.basename(frame.filename)}:{frame.lineno}): the dump is damaged or of another version; make "
+            "it again"
         ) from None
 
 
@@ -324,7 +328,7 @@ def run(opts):
     for note in notes + more + precision_note(args, meta, report):
         print(f"note: {note}")
     if differences:
-        print("known differences of this adapter (a row within its tolerance did not show them):")
+        print("known differences of this adapter for these flags (where a row passes, they did not show):")
         print("\n".join(f"  - {line}" for line in differences))
     line, status = report.summary()
     print(line)

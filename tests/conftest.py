@@ -105,3 +105,17 @@ def make_small_model(kind="qwen2", seed=0, **overrides):
 @pytest.fixture(params=["qwen2", "gpt2"])
 def small_model(request):
     return make_small_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def verify_dumps(tmp_path_factory):
+    """verify.py's recommended dumps (grpo, ppo: every branch of every row exercised, on tiny-gpt2) and a one-step
+    GRPO dump of the tiny model at the defaults (plain: ratio 1, KL 0), made once for every verify test."""
+    from verify_helpers import GRPO_RECIPE, PLAIN, PPO_RECIPE, make_dump
+
+    folder = tmp_path_factory.mktemp("verify-dumps")
+    return {
+        "grpo": make_dump(folder, "grpo", **GRPO_RECIPE),
+        "ppo": make_dump(folder, "ppo", **PPO_RECIPE),
+        "plain": make_dump(tmp_path_factory.mktemp("plain"), "grpo", **PLAIN),
+    }

@@ -1,18 +1,17 @@
 """verify.py fails each row on a near miss: off by 1.5 times that row's tolerance (an absolute row: one value
 moved by it; a relative row: every value scaled by 1 + it; the update: scaled from a first, larger miss), while
 a miss of half the tolerance passes. The reference's log-probs are compared too: a dump whose ref_logp is off
-fails the log-probs row, and so does an adapter whose reference log-probs alone are off. Exit status 1 is a
-failed check (2: bad input, 3: an adapter mistake)."""
+fails the log-probs row, and so does an adapter whose reference log-probs alone are off; a dump whose stored
+log-probs are off fails the replay row. Exit status 1 is a failed check (2: bad input, 3: an adapter mistake, 4: too
+little compared for a pass)."""
 
 import re
 import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
-from test_verify import rows, run
+from verify_helpers import rows, run
 
-import grpo
-import ppo
 import verify
 
 # verify.py's tolerances as documented (README, "Tolerances"; verify.py): written here, so a loosened one fails
@@ -21,6 +20,7 @@ DOCUMENTED = {
     "rewards": ("abs", 1e-6),
     "returns": ("abs", 1e-6),
     "kl_coef": ("rel", 1e-6),
+    "replay": ("abs", 1e-5),
     "log-probs": ("abs", 1e-5),
     "kl": ("rel", 1e-6),
     "per-token loss": ("abs", 1e-6),
@@ -78,37 +78,10 @@ def test_the_tolerances_are_the_documented_ones():
     assert dict(verify.TOLERANCES) == DOCUMENTED
 
 
-@pytest.fixture(scope="module")
-def dumps(tmp_path_factory):
+@pytest.fixture
+def dumps(verify_dumps):
     """verify.py's recommended dumps (its docstring), so that every row's branches are exercised."""
-    folder = tmp_path_factory.mktemp("near-miss")
-    flags = dict(
-        seed=3,
-        task="copy:1-3",
-        num_steps=3,
-        learning_rate=1e-2,
-        clip_low=0.05,
-        clip_high=0.05,
-        max_new_tokens=4,
-        temperature=0.8,
-        sample_every=0,
-        output_dir=str(folder / "runs"),
-    )
-    grpo.main(grpo.Args(**flags, num_iterations=2, beta=0.1, weight_decay=0.1, dump_dir=str(folder / "grpo")))
-    ppo.main(
-        ppo.Args(
-            **flags,
-            prompts_per_step=16,
-            critic_learning_rate=1e-2,
-            cliprange_value=0.01,
-            target_kl=2,
-            kl_horizon=100,
-            gamma=0.95,
-            micro_batch_size=4,
-            dump_dir=str(folder / "ppo"),
-        )
-    )
-    return {"grpo": str(folder / "grpo"), "ppo": str(folder / "ppo")}
+    return verify_dumps
 
 
 def verify_with(capsys, tmp_path, dump, quantity, delta):
@@ -178,13 +151,14 @@ def test_a_near_miss_of_the_reference_log_probs_fails(dumps, capsys, tmp_path):
         assert code == expected_code and rows(out)["log-probs"].startswith("FAIL" if code else "pass"), out
 
 
-@pytest.mark.parametrize("key", ["new_logp", "ref_logp"])
-def test_a_dump_whose_log_probs_are_slightly_off_fails(dumps, capsys, tmp_path, key):
-    """Step 1's stored policy or reference log-probs moved by 1.5 times the tolerance on one token."""
+@pytest.mark.parametrize("key, row", [("new_logp", "replay"), ("old_logp", "replay"), ("ref_logp", "log-probs")])
+def test_a_dump_whose_log_probs_are_slightly_off_fails(dumps, capsys, tmp_path, key, row):
+    """Step 2's stored log-probs moved by 1.5 times the tolerance on one token: the policy's fail the replay (the
+    run trained otherwise than its dump says), the reference's the log-probs row."""
     copy = tmp_path / "dump"
     shutil.copytree(dumps["grpo"], copy)
-    d = load_file(copy / "step000001.safetensors")
-    d[key][0, 0] += 1.5 * DOCUMENTED["log-probs"][1]
-    save_file(d, copy / "step000001.safetensors")
+    d = load_file(copy / "step000002.safetensors")
+    d[key][0, 0] += 1.5 * DOCUMENTED[row][1]
+    save_file(d, copy / "step000002.safetensors")
     code, out, _ = run(capsys, copy, "--against", "self")
-    assert code == 1 and rows(out)["log-probs"].startswith("FAIL"), out
+    assert code == 1 and rows(out)[row].startswith("FAIL at step 2"), out

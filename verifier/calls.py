@@ -59,7 +59,7 @@ def load_adapter(name):
     mark(None)
     if not any(callable(getattr(module, f, None)) for f in FUNCTIONS):
         raise VerifyError(f"adapter {label!r} ({path}) defines none of the functions {', '.join(FUNCTIONS)}")
-    module.label, module.ours = label, os.path.abspath(path) == SELF
+    module.label, module._verify_self = label, os.path.abspath(path) == SELF
     return module
 
 
@@ -143,7 +143,7 @@ def call(adapter, name, *args):
     except SystemExit as e:
         raise AdapterError(f"adapter {adapter.label!r}: {name}() called sys.exit({e.code!r})") from None
     except Exception as e:
-        if getattr(adapter, "ours", False):
+        if getattr(adapter, "_verify_self", False):
             raise VerifyError(
                 f"this project's {name}() cannot recompute the dump ({type(e).__name__}: {one_line(e)}): the dump "
                 "is damaged or of another version; make it again"

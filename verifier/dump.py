@@ -76,8 +76,8 @@ def check_args(args, meta_path):
     for name, (_, kind) in fields.items():
         if not fits(args[name], kind):
             raise VerifyError(
-                f"{meta_path}: {name} is {args[name]!r}, not a {getattr(kind, '__name__', kind)}: the metadata of "
-                "this dump is damaged; make the dump again"
+                f"{meta_path}: {name} is {args[name]!r}, not of type {getattr(kind, '__name__', kind)}: the "
+                "metadata of this dump is damaged; make the dump again"
             )
     module = {"grpo": grpo, "ppo": ppo}[args["script"]]
     try:

@@ -1,7 +1,7 @@
-"""OpenRLHF 0.11.2's own advantage, reward, KL and loss code as a verify.py adapter (GRPO and PPO).
+"""OpenRLHF 0.11.2's own advantage, reward, KL, log-prob and loss code as a verify.py adapter (GRPO and PPO).
 
     pip install --no-deps --target .openrlhf-site -r requirements/openrlhf.txt    # a folder of its own
-    PYTHONPATH=.openrlhf-site python verify.py DUMP --against openrlhf
+    python verify.py DUMP --against openrlhf         # found in .openrlhf-site, or the folder $OPENRLHF_SITE names
 
 What is called, unchanged (read in .openrlhf-site/openrlhf):
   advantages, returns  RemoteExperienceMaker.compute_advantages_and_returns (trainer/ppo_utils/experience_maker.py):
@@ -10,15 +10,18 @@ What is called, unchanged (read in .openrlhf-site/openrlhf):
   kl                   models/utils.py compute_approx_kl (k1, k2, k3)
   losses               models/loss.py PolicyLoss and ValueLoss, reduced by their aggregate_loss; GRPO adds
                        beta * aggregate_loss(compute_approx_kl(k3)) as its actor does (trainer/ray/ppo_actor.py)
-  kl_coef              trainer/ppo_utils/kl_controller.py AdaptiveKLController, fed as ppo_trainer.py feeds it
-  log-probs            models/utils.py log_probs_from_logits, with the position ids of models/actor.py
+  kl_coef              trainer/ppo_utils/kl_controller.py AdaptiveKLController.update, fed the summed KL of each
+                       completion as ppo.py feeds its controller; --set controller_kl=mean feeds it as OpenRLHF's
+                       ppo_trainer.py does (a known difference: --accept kl_coef)
+  log-probs            models/actor.py Actor.forward around the model: its position ids, its shift, its
+                       temperature and log_probs_from_logits (the gradient row's log-probs too)
 
 OpenRLHF's package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules above are loaded one
-by one instead, with `deepspeed` (imported, unused, by models/utils.py) and ray's launcher (imported by the
-experience maker, unused by the functions called) stubbed while they load. Nothing of OpenRLHF is copied here.
-The critic's values come from this project's critic (OpenRLHF's is its engine's model); the PPO loss is
-policy + vf_coef * value loss (OpenRLHF trains its critic apart: its own loss, unscaled). There is no `update`:
-OpenRLHF's optimizer is DeepSpeed's, not a function.
+by one instead, with `deepspeed` (imported, unused, by models/utils.py), ray's launcher (imported by the
+experience maker) and flash-attn (imported by models/ring_attn_utils.py, for packed samples only) stubbed while
+they load. Nothing of OpenRLHF is copied here. The critic's values come from this project's critic (OpenRLHF's is
+its engine's model); the PPO loss is policy + vf_coef * value loss (OpenRLHF trains its critic apart: its own
+loss, unscaled). There is no `update`: OpenRLHF's optimizer is DeepSpeed's, not a function.
 """
 
 import contextlib
@@ -30,9 +33,15 @@ import types
 
 import torch
 
-SITE = os.environ.get("OPENRLHF_SITE") or os.path.join(
+CHECKOUT_SITE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".openrlhf-site"
 )
+FLASH_ATTN = {  # what models/ring_attn_utils.py imports of flash-attn (used for packed samples only)
+    "flash_attn": (),
+    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
+    "flash_attn.utils": (),
+    "flash_attn.utils.distributed": ("all_gather",),
+}
 PACKAGES = [
     "openrlhf",
     "openrlhf.models",
@@ -60,26 +69,31 @@ def _stubbed(names):
 
 
 def _load():
-    root = next(
-        (p for p in [*sys.path, SITE] if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None
-    )
+    """OpenRLHF's modules, from $OPENRLHF_SITE when set, else the first of sys.path or .openrlhf-site holding it."""
+    chosen = os.environ.get("OPENRLHF_SITE")
+    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
+    root = next((p for p in candidates if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None)
     if root is None:
         raise ImportError(
-            f"no openrlhf in PYTHONPATH or {SITE}: pip install --no-deps --target .openrlhf-site -r "
-            "requirements/openrlhf.txt"
+            f"no openrlhf in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps "
+            "--target .openrlhf-site -r requirements/openrlhf.txt"
         )
     for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [os.path.join(root, *name.split("."))]
             sys.modules[name] = package
-    with _stubbed(["deepspeed", "ray", "openrlhf.trainer.ray.launcher"]) as stubs:
+    with _stubbed(["deepspeed", "ray", "openrlhf.trainer.ray.launcher", *FLASH_ATTN]) as stubs:
         stubs["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+        for name, attributes in FLASH_ATTN.items():
+            for attribute in attributes:
+                setattr(stubs[name], attribute, None)
         modules = [
             importlib.import_module(f"openrlhf.{m}")
             for m in (
                 "models.utils",
                 "models.loss",
+                "models.actor",
                 "trainer.ppo_utils.experience_maker",
                 "trainer.ppo_utils.kl_controller",
             )
@@ -87,8 +101,8 @@ def _load():
     return modules
 
 
-utils, loss_module, experience_maker, kl_controller = _load()
-OPTIONS = {}
+utils, loss_module, actor_module, experience_maker, kl_controller = _load()
+OPTIONS = {"controller_kl": "summed"}  # what AdaptiveKLController is fed: ppo.py's (summed) or OpenRLHF's (mean)
 
 
 def _group(args):
@@ -96,24 +110,35 @@ def _group(args):
 
 
 def known_differences(args, options):
-    """{quantity: the difference and where it is in OpenRLHF}: the ones --accept can take, for this dump."""
+    """{quantity: the difference, where it is in OpenRLHF, and how large it can be}: what --accept can take."""
     out = {}
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and args["adv_eps"] != 1e-9:
-        out["advantages"] = (
-            f"OpenRLHF's group_norm divides by std + 1e-9 (experience_maker.py), grpo.py by std + "
-            f"--adv-eps {args['adv_eps']:g}: a dump with --adv-eps 1e-9 matches"
+        out["advantages"] = dict(
+            why=f"group_norm divides by std + 1e-9, grpo.py by std + --adv-eps {args['adv_eps']:g} (a dump with "
+            "--adv-eps 1e-9 matches); the relative difference is about adv_eps / the group's std",
+            where="trainer/ppo_utils/experience_maker.py, compute_advantages_and_returns",
+            bound=("rel", max(100 * args["adv_eps"], 1e-5)),  # every group whose rewards differ: std > 100 * eps
         )
-    if args["script"] == "ppo" and args["target_kl"] is not None:
-        out["kl_coef"] = (
-            "OpenRLHF feeds AdaptiveKLController the mean over completions of each one's per-token "
-            "mean KL (ppo_trainer.py, status['kl']), ppo.py the summed KL per completion (Ziegler "
-            "et al. 2019)"
+    if args["script"] == "ppo" and args["target_kl"] is not None and options["controller_kl"] == "mean":
+        n = args["prompts_per_step"] * args["samples_per_prompt"]
+        out["kl_coef"] = dict(
+            why="OpenRLHF feeds AdaptiveKLController the mean over completions of each one's per-token mean KL, "
+            "ppo.py the summed KL per completion (Ziegler et al. 2019); both errors are clipped to +-0.2, so the "
+            "coefficients differ by at most 0.4 * N / kl_horizon (a controller bug smaller than that passes: "
+            "check it with the default --set controller_kl=summed)",
+            where="trainer/ppo_trainer.py, status['kl'] into kl_controller.py's update",
+            bound=("rel", 0.4 * n / args["kl_horizon"]),
         )
     return out
 
 
 def differences(args, options):
-    out = list(known_differences(args, options).values())
+    out = [spec["why"] for spec in known_differences(args, options).values()]
+    if args["script"] == "ppo" and args["target_kl"] is not None and options["controller_kl"] == "summed":
+        out.append(
+            "kl_coef: OpenRLHF's controller is fed the summed KL per completion, as ppo.py feeds its own; OpenRLHF's "
+            "ppo_trainer.py feeds it the mean per-token KL (--set controller_kl=mean, then --accept kl_coef)"
+        )
     if args["script"] == "ppo":
         if args["missing_eos_penalty"] > 0:
             out.append(
@@ -210,9 +235,24 @@ def rewards(batch, args):
     return utils.compute_reward(score, batch["kl_coef"].item(), kl, action_mask=mask)
 
 
+def setup(args, options, model):
+    if options["controller_kl"] not in ("summed", "mean"):
+        raise NotImplementedError(f"--set controller_kl={options['controller_kl']}: summed or mean")
+    state["options"] = options
+
+
+state = {}
+
+
 def kl_coef(batch, args):
-    kl = utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], kl_estimator=args["kl_estimator"])
-    per_completion = utils.masked_mean(kl, batch["completion_mask"], dim=-1)  # experience_maker: info["kl"]
+    """AdaptiveKLController.update fed the summed k1 KL of each completion (ppo.py's), or the per-token mean of the
+    penalty's KL as ppo_trainer.py feeds it (--set controller_kl=mean)."""
+    if state["options"]["controller_kl"] == "summed":
+        kl = utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], kl_estimator="k1")
+        per_completion = (kl * batch["completion_mask"]).sum(-1)
+    else:
+        kl = utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], kl_estimator=args["kl_estimator"])
+        per_completion = utils.masked_mean(kl, batch["completion_mask"], dim=-1)  # experience_maker: info["kl"]
     controller = kl_controller.AdaptiveKLController(batch["kl_coef"].item(), args["target_kl"], args["kl_horizon"])
     controller.update(per_completion.mean().item(), len(per_completion))
     return torch.tensor(controller.value)
@@ -226,14 +266,12 @@ def kl(batch, args):
 
 
 def token_logprobs(model, batch, args):
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    """Actor.forward around the model (Actor takes a module as its pretrain_or_model)."""
+    actor = actor_module.Actor(model, temperature=args["temperature"])
+    actor.packing_samples = False  # Actor.__init__ sets it only when it loads the model itself, from a path
+    sequences = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    position_ids = attention_mask.long().cumsum(-1) - 1  # as models/actor.py
-    position_ids.masked_fill_(attention_mask == 0, 1)
-    T = batch["completion_ids"].shape[1]
-    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -T - 1 : -1]
-    logp = utils.log_probs_from_logits(logits.float(), batch["completion_ids"], temperature=args["temperature"])
-    return logp * batch["completion_mask"]
+    return actor(sequences, action_mask=batch["completion_mask"], attention_mask=attention_mask)
 
 
 def _losses(new_logp, batch, args, mask, new_values=None, denominators=None):

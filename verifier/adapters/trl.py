@@ -50,6 +50,13 @@ def differences(args, options):
         )
     if args["warmup_steps"] > 0:
         out.append("warmup: grpo.py's step s has lr * (s + 1) / (warmup + 1), the HF Trainer's lr * s / warmup")
+    if state.get("absolute_positions"):
+        out.append(
+            "TRL's forward passes no position ids (grpo_trainer.py, _get_per_token_logps_and_entropies), so a model "
+            "with learned absolute positions (GPT-2, tiny-gpt2) reads a left-padded prompt shifted by its padding, "
+            "where generate() corrected it: the log-probs differ (rotary models, Qwen or --model tiny, are blind "
+            "to the shift)"
+        )
     return out
 
 
@@ -84,6 +91,10 @@ def setup(args, options, model):
             save_strategy="no",
             logging_strategy="no",
         )
+    state["absolute_positions"] = any(
+        isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("wpe", "embed_positions")
+        for name, module in model.named_modules()
+    )
     tokenizer = state["tokenizer"] = _tokenizer(model)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -127,7 +138,9 @@ def _stored_rollout(prompts, trainer):
 
 
 def _stored_rewards(prompts, completions, row, **kwargs):
-    return [float(state["batch"]["rewards"][i]) for i in row]
+    """The dump's rewards (0 for token_logprobs, whose batch has none: its log-probs do not read them)."""
+    rewards = state["batch"].get("rewards")
+    return [float(rewards[i]) if rewards is not None else 0.0 for i in row]
 
 
 def _prepare(batch):

@@ -1,7 +1,7 @@
 """verl 0.9.1's pure advantage, KL and loss functions (verl/trainer/ppo/core_algos.py) as a verify.py adapter.
 
     pip install --no-deps --target .verl-site -r requirements/verl.txt    # a folder of its own
-    PYTHONPATH=.verl-site python verify.py DUMP --against verl
+    PYTHONPATH=.verl-site python verify.py DUMP --against verl    # verl's own imports need its folder
 
 The functions are pure torch, but importing core_algos runs verl's package __init__ (its DataProto imports ray
 and tensordict) and its config dataclasses (omegaconf, codetiming); a stub package in place of verl's __init__
@@ -38,6 +38,21 @@ def setup(args, chosen, model):
     options.update(chosen)
 
 
+def known_differences(args, chosen):
+    """{quantity: the difference, where it is in verl, and how large it can be}: what --accept can take."""
+    if args["script"] != "ppo":
+        return {}
+    n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
+    return {
+        "advantages": dict(
+            why="verl whitens GAE's advantages with the unbiased variance (times N / (N - 1) over N real tokens), "
+            "ppo.py with the population variance: they differ by a factor sqrt(1 - 1 / N), under 1 / N",
+            where="verl/utils/torch_functional.py, masked_whiten (var * N / (N - 1))",
+            bound=("rel", 1 / n),
+        )
+    }
+
+
 def differences(args, chosen):
     out = []
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and chosen["epsilon"] != 1e-4:
@@ -46,11 +61,8 @@ def differences(args, chosen):
             "(--set epsilon=1e-4 matches)"
         )
     if args["script"] == "ppo":
-        out.append(
-            "GAE advantages: verl whitens them with the unbiased variance (times N / (N - 1)), "
-            "ppo.py with the population variance; verl also carries values across masked holes (dumps "
-            "have none)"
-        )
+        out.append(known_differences(args, chosen)["advantages"]["why"] + " (--accept advantages)")
+        out.append("verl carries values across masked holes in GAE (dumps have none)")
     if args.get("loss_agg") == "seq-mean-token-sum-norm" and not chosen["loss_scale_factor"]:
         out.append(
             "seq-mean-token-sum-norm: verl divides by the padded width T, grpo.py by --max-new-tokens "
