@@ -51,8 +51,8 @@ An adapter is a Python file that defines some of these functions (a check whose 
 raises NotImplementedError(reason), is skipped). `args` is the run's Args as a dict, plus "script" ("grpo" or
 "ppo"). `batch` holds the dump's tensors that the entry point it stands for reads in the training loop
 (common.entry_batch): never what it is compared with (group_advantages and gae get no advantages or returns,
-rewards no rewards, the losses no per_token_loss or loss), plus num_seqs and num_tokens, the loss's
-denominators; per_token_loss, loss and kl also get the models' stored outputs (new_logp; PPO: new_values,
+rewards no rewards, the losses no per_token_loss or loss); the loss functions also get num_seqs and num_tokens,
+the loss's denominators, and per_token_loss, loss and kl the models' stored outputs (new_logp; PPO: new_values,
 entropy); token_logprobs gets the ids and masks alone. See adapters/self.py for this project's own.
 
   group_advantages(batch, args) -> [N] or [N, T]     gae(batch, args) -> (advantages, returns), [N, T] each
@@ -198,7 +198,7 @@ def check_kl_coef(report, adapter, ref, steps, args):
         expected = steps[step + 1]["kl_coef"].reshape(())
         compare(report, "kl_coef", step + 1, adapter, "kl_coef", theirs, expected, None, "kl_coef")
         report.skip("kl_coef", why)
-        error = ref.rewards_kl(batch, args).sum(1).mean().item() / args["target_kl"] - 1
+        error = ref.rewards_kl(inputs("rewards", batch, args), args).sum(1).mean().item() / args["target_kl"] - 1
         report.exercise("kl_coef", "a KL error within +-0.2 of the target (not clipped)", abs(error) < 0.2)
         report.exercise("kl_coef", "a KL error beyond +-0.2 (clipped)", abs(error) > 0.2)
     report.skip("kl_coef", "needs two consecutive steps")

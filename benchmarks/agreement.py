@@ -173,7 +173,10 @@ def main():
                 failures = report.failures()
                 why = "<br>".join(adapter.differences(args, options)) if failures else ""
                 cells = " | ".join(cell(report, q) for q in verify.QUANTITIES)
-                result = "fail: " + ", ".join(failures) if failures else "pass"
+                status = report.summary()[1]  # a pass needs the advantages and a loss row compared
+                result = (
+                    "fail: " + ", ".join(failures) if failures else "pass" if status == 0 else "too little compared"
+                )
                 lines.append(f"| {label} | {mode} | {cells} | {result} | {why} |")
                 print(lines[-1][:150], flush=True)
     tolerances = ", ".join(f"{q} {kind} {value:g}" for q, (kind, value) in verify.TOLERANCES.items())

@@ -80,5 +80,10 @@ def test_the_loop_and_verify_give_each_entry_point_the_same_keys(capsys, monkeyp
     assert code == 0, out
     in_run, in_verify = keys_by_entry_point(tmp_path / "run.jsonl"), keys_by_entry_point(tmp_path / "verify.jsonl")
     assert in_run.keys() == in_verify.keys() == set(ENTRY_POINTS[script])
-    for name in ENTRY_POINTS[script]:
-        assert in_run[name] == in_verify[name], (name, sorted(in_run[name] ^ in_verify[name]))
+    differ = [
+        f"{name}: only in the run {sorted(in_run[name] - in_verify[name])}, only in verify "
+        f"{sorted(in_verify[name] - in_run[name])}"
+        for name in ENTRY_POINTS[script]
+        if in_run[name] != in_verify[name]
+    ]
+    assert not differ, "; ".join(differ)

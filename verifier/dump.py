@@ -204,8 +204,9 @@ def micro_batch(d):
 
 def inputs(function, batch, args):
     """The batch the adapter's `function` receives: the inputs of the entry point it stands for, as the loop gives
-    them (common.entry_batch), never what it is compared with. The pure loss checks also get the stored outputs of
-    the models (new_logp; PPO: new_values, entropy); token_logprobs gets the ids and masks alone."""
+    them (common.entry_batch), never what it is compared with; num_seqs and num_tokens with the loss's alone. The
+    pure loss checks also get the stored outputs of the models (new_logp; PPO: new_values, entropy);
+    token_logprobs gets the ids and masks alone, with the counts."""
     counts = {k: batch[k] for k in ("num_seqs", "num_tokens") if k in batch}
     if function == "token_logprobs":
         return dict({k: batch[k] for k in IDS}, **counts)
@@ -218,6 +219,8 @@ def inputs(function, batch, args):
         "kl": "compute_rewards" if args["script"] == "ppo" else "compute_loss",
     }.get(function, "compute_loss")
     out = common.entry_batch(entry, batch)
-    if function in ("kl", "per_token_loss", "loss") and entry == "compute_loss":
+    if entry != "compute_loss":  # the loss's denominators: the loss's alone
+        return {k: v for k, v in out.items() if k not in counts}
+    if function in ("kl", "per_token_loss", "loss"):
         out.update({k: batch[k] for k in common.MODEL_OUTPUTS if k in batch})
     return out
