@@ -443,7 +443,7 @@ def write_section(runs_dir, elapsed, loaded):
     readme = os.path.join(REPO, "README.md")
     with open(readme) as f:
         text = f.read()
-    wrap = lambda line: line if line[:1] in ("|", "!", "<", "#") else textwrap.fill(line, 110, break_long_words=False)  # noqa: E731
+    wrap = lambda line: line if line[:1] in ("|", "!", "<", "#") else textwrap.fill(line, 110, break_long_words=False)
     section = "\n".join(map(wrap, lines))
     if BEGIN in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)

@@ -65,3 +65,21 @@ def resolve_dtype(name, device, model_name=None):
     if dist.is_main():
         print(f"dtype: {str(dtype).removeprefix('torch.')} ({reason})")
     return dtype
+
+
+def activation_checkpointing(model):
+    """Whether the model recomputes its activations in the backward pass (transformers 5 renamed the flag)."""
+    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, f)), None)
+    return bool(flag and getattr(model, flag))
+
+
+def set_activation_checkpointing(model, on):
+    """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False}
+        ) if on else model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()

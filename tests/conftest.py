@@ -39,7 +39,7 @@ def float32_on_every_cpu():
 
     with pytest.MonkeyPatch.context() as patch:
         real = precision.native_bf16
-        pinned = lambda device: None if device.type == "cpu" else real(device)  # noqa: E731
+        pinned = lambda device: None if device.type == "cpu" else real(device)
         pinned.__wrapped__ = real  # for the tests of the probe itself
         patch.setattr(precision, "native_bf16", pinned)
         yield

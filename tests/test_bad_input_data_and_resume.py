@@ -502,7 +502,7 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
         ),
     ],
 )
-def test_the_script_says_one_line(tmp_path, xdg_cache, flags, expected):
+def test_the_script_says_one_line(tmp_path, xdg_cache, tiny_model, flags, expected):  # tiny_model: built already
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     flags = flags.format(deep=deep).split()

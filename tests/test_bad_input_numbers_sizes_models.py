@@ -14,7 +14,7 @@ from test_bad_input_flags_and_state import run_with_flag
 
 import grpo
 import ppo
-from machinery import model_checks, models
+from machinery import model_checks, models, startup
 from machinery.errors import UsageError
 
 SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
@@ -175,7 +175,7 @@ def test_principle2_step_bytes_counts_by_hand():
 
 def test_principle2_the_defaults_fit():
     for module in (grpo, ppo):
-        config = models._from_pretrained(__import__("transformers").AutoConfig, models.resolve_model_path("tiny"))
+        config = models.from_pretrained(__import__("transformers").AutoConfig, models.resolve_model_path("tiny"))
         model_checks.check_step_fits(module.Args(), config, models.CPU)
 
 
@@ -277,7 +277,7 @@ def test_the_documented_lines_are_the_lines(heading, monkeypatch):
         args = tyro.cli(module.Args, args=shlex.split(flags.split(" (")[0]))
         with pytest.raises(UsageError) as error:
             module.check_args(args)
-            models.check_model_names(args, ["model"])
+            startup.check_model_names(args)
         parts = [line] if "principle 1" in heading else re.split(r"\d[\d,.]*\d|\d", line)
         expected = r"(?:\d[\d,.]*\d|\d)".join(map(re.escape, parts))  # one part, or numbers between parts
         assert re.fullmatch(expected, str(error.value)), (flags, str(error.value))

@@ -51,7 +51,7 @@ def score(tokenizer, reward_fn, completions, **kw):
 
 
 def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer):
-    spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]  # noqa: E731
+    spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]
     placed, mask = score(tiny_tokenizer, spans, ["12345", "98765"])  # one character a token, then EOS
     expected = torch.tensor([0.5, 0.0, 2.0, 0.0, -1.0, 0.0])  # chars 1-2 end at token 2; token 5 is the EOS
     assert torch.equal(placed, torch.stack([expected, expected]))
@@ -122,12 +122,12 @@ def test_a_dense_reward_that_is_not_causal_gets_one_line(tiny_tokenizer):
 
 def test_per_token_values_are_checked_on_the_prefixes_they_are_given(tiny_tokenizer):
     """A function taking `tokens` sees each prefix's tokens; paying the last token for the length is not causal."""
-    causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]  # noqa: E731
+    causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]
     ids, mask = batch(tiny_tokenizer, ["121"])
     assert scoring.score_tokens(
         task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask
     ).sum() == pytest.approx(0.2)
-    by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]  # noqa: E731
+    by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]
     with pytest.raises(UsageError, match="is not causal"):
         scoring.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
 

@@ -151,7 +151,7 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
     for i, config in enumerate(configs):
         settings = dict(BASE[script], **config)
         if script == "ppo":
-            randperm = lambda n, **k: torch.arange(n).flip(0)  # noqa: E731
+            randperm = lambda n, **k: torch.arange(n).flip(0)
             patch(
                 torch,
                 "randperm",

@@ -14,7 +14,7 @@ def explained_variance_by_loop(rewards, group_size):
     for start in range(0, len(rewards), group_size):
         group = rewards[start : start + group_size]
         residuals += [r - sum(group) / len(group) for r in group]
-    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)
     return 1 - var(residuals) / var(rewards)
 
 

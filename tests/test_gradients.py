@@ -220,11 +220,9 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     assert len(epochs) == args.update_epochs and len(updates) == args.update_epochs * args.num_minibatches
     pairs = [tuple(sorted(perm[i : i + 2])) for perm in epochs for i in (0, 2, 4)]
     assert {frozenset(p) for p in pairs[:3]} != {frozenset(p) for p in pairs[3:]}, f"both epochs drew {pairs[:3]}"
-    make = (
-        lambda weights: (
-            with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),  # noqa: E731
-            with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]),
-        )
+    make = lambda weights: (
+        with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),
+        with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]),
     )
     old_policy, old_critic = make(updates[0][0])
     stats = dict(above=False, below=False, v_up=False, v_down=False)

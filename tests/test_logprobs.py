@@ -110,7 +110,7 @@ def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer
     )
     torch.manual_seed(0)
     shared = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
-    every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))  # noqa: E731
+    every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))
     monkeypatch.setattr(prompt_cache, "prompt_runs", every_row)  # no two rows share: the plain path
     torch.manual_seed(0)
     plain = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])

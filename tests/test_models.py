@@ -31,7 +31,7 @@ from transformers import (
 import common
 import grpo
 import ppo
-from machinery import bookkeeping, models, precision
+from machinery import flags, models, precision
 from machinery.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -245,7 +245,7 @@ def test_a_system_prompt_is_counted_and_one_the_template_refuses_is_named(tmp_pa
 def test_system_prompt_flag_parses_empty_and_text(monkeypatch):
     for argv, expected in [([], None), (["--system-prompt", ""], ""), (["--system-prompt", "Be brief."], "Be brief.")]:
         monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
-        assert bookkeeping.parse_args(grpo.Args, grpo.HUB_DEFAULTS)[0].system_prompt == expected
+        assert flags.parse_args(grpo.Args, grpo.HUB_DEFAULTS)[0].system_prompt == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -453,7 +453,7 @@ def checkpointing_flags(model):
 def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
     model = models.load_causal_lm(qwen2_dir, CPU)
     tokenizer = models.load_tokenizer(qwen2_dir)
-    common.set_activation_checkpointing(model, True)
+    precision.set_activation_checkpointing(model, True)
     model.train()
     assert any(checkpointing_flags(model))
     seen = []

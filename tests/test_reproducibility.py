@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import grpo
 import ppo
-from machinery import bookkeeping, checkpoints, errors, models
+from machinery import checkpoints, errors, flags, models
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -32,7 +32,7 @@ def quick_args(script, output_dir, **overrides):
 def resolved_args(script, output_dir, **overrides):
     """quick_args with the preset applied, as main() has them when it reads a checkpoint."""
     args = quick_args(script, output_dir, **overrides)
-    bookkeeping.apply_hub_defaults(args, SCRIPTS[script].HUB_DEFAULTS)
+    flags.apply_hub_defaults(args, SCRIPTS[script].HUB_DEFAULTS)
     return args
 
 

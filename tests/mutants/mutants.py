@@ -119,7 +119,7 @@ MUTANTS = [
     ),
     dict(
         name="grpo-stats-summed-over-iterations",
-        file="machinery/bookkeeping.py",
+        file="common.py",
         tests=REF_GRPO,
         what="the logged losses/ add up the num_iterations passes instead of averaging them",
         find="return {name: value.item() for name, value in zip(names, means.mean(0))}",
@@ -296,7 +296,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-stats-epochs-not-averaged",
-        file="machinery/bookkeeping.py",
+        file="common.py",
         tests=REF_PPO,
         what="the logged losses/ add up the optimizer steps of all epochs instead of averaging them",
         find="return {name: value.item() for name, value in zip(names, means.mean(0))}",
@@ -378,7 +378,7 @@ MUTANTS = [
     ),
     dict(
         name="bookkeeping-preset-overrides-zero",
-        file="machinery/bookkeeping.py",
+        file="machinery/flags.py",
         tests=["tests/test_cli.py", "-k", "hub"],
         what="a field set to another value than its default (or given on the command line) still takes the hub default",
         find="if key not in given and getattr(args, key) == defaults[key]:",
