@@ -198,7 +198,7 @@ class Critic(torch.nn.Module):
 
 def load_critic(name, device, args=None):
     """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too); with
-    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (README: LoRA)."""
+    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (docs/lora_and_memory.md)."""
     critic = Critic(models.load_backbone(name, device))
     models.load_head(critic.value_head, name, device)
     lora.wrap(critic.backbone, args, task_type=None) if args is not None else None

@@ -361,7 +361,7 @@ def log_step(writer, step, scalars, updates, args, timer, total_tokens, device):
 
 
 def logged_losses(updates, args):
-    """The losses/ scalars of one step (README, "What is logged"), from the per-token terms the update gathered.
+    """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
 
     updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
     Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real
@@ -410,7 +410,7 @@ def perf_scalars(timer, total_tokens, device):
 
 
 def print_summary(script, history, seconds, device, final_dir):
-    """The one-line summary: mean score over the first 5% and the last 10% of steps (the README's benchmark), the
+    """The one-line summary: mean score over the first 5% and the last 10% of steps (docs/benchmarks.md), the
     step where the 10-step mean score first reached 0.9, and the completion length over the last 10%."""
     checkpoints.release_locks()  # the run is over: its folder may be resumed
     scores, lengths = history["score"], history["length"]
