@@ -62,7 +62,7 @@ PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while gen
 def decoding_attention(model, prompt_ids, new_tokens):
     """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
     on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
-    (README: a step against this CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
+    (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
     under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
     computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
     config = getattr(model, "config", None)
@@ -406,7 +406,7 @@ def explained_variance(values, returns, mask, mean=masked_mean):
 
 @torch.no_grad()
 def logged_losses(updates, args):
-    """The losses/ scalars of one step (README, "What is logged"), from the per-token terms the update gathered.
+    """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
 
     updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
     Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real

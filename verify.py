@@ -45,9 +45,9 @@ failed; 2 bad input (the dump, its model, a flag); 3 a mistake in the adapter (i
 compile, returns None, a non-tensor or the wrong shape, a train_loss without autograd); 130 interrupted.
 
 An adapter is a Python file that defines some of these functions (a check whose function is missing, or
-raises NotImplementedError(reason), is skipped). `batch` holds the dump's tensors (README, "Verify your
+raises NotImplementedError(reason), is skipped). `batch` holds the dump's tensors (docs/verify.md, "Verify your
 implementation"), plus num_seqs and num_tokens, the loss's denominators; `args` is the run's Args as a dict,
-plus "script" ("grpo" or "ppo"). See adapters/self.py for this project's own.
+plus "script" ("grpo" or "ppo"). See verifier/adapters/self.py for this project's own.
 
   group_advantages(batch, args) -> [N] or [N, T]     gae(batch, args) -> (advantages, returns), [N, T] each
   rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)

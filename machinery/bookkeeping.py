@@ -173,7 +173,7 @@ def perf_scalars(timer, total_tokens, device):
 
 
 def print_summary(script, history, seconds, device, final_dir):
-    """The one-line summary: mean score over the first 5% and the last 10% of steps (the README's benchmark), the
+    """The one-line summary: mean score over the first 5% and the last 10% of steps (docs/benchmarks.md), the
     step where the 10-step mean score first reached 0.9, and the completion length over the last 10%."""
     checkpoints.release_locks()  # the run is over: its folder may be resumed
     scores, lengths = history["score"], history["length"]

@@ -39,7 +39,7 @@ def choose_dtype(name, device_type, native, model_name):
     """(dtype, reason) for --dtype `name` on a `device_type` device whose native bf16 is `native` (native_bf16).
 
     auto: bfloat16 where the hardware multiplies it natively, a GPU or a CPU with AVX-512 BF16 or AMX (learning
-    measured unchanged on a real model, README: a step against this CPU's limit), float32 elsewhere, and for the
+    measured unchanged on a real model: docs/real_model.md), float32 elsewhere, and for the
     built-in tiny model on a CPU. float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
     """
     if name == "float16":

@@ -1,5 +1,5 @@
-"""Bad input, round two: data is read as users write it (principle 4), and resume never loses a run or trains on
-something else (principle 7). docs/bad_input.md lists each case with its one line.
+"""Bad input: data is read as users write it (principle 4), and resume never loses a run or trains on something
+else (principle 7). docs/bad_input.md lists each case with its one line, in the sections named for the two principles.
 
 The checks are called directly (a few seconds in all); two cases run the script as a user would.
 """

@@ -1,5 +1,5 @@
-"""Bad input, third round (docs/bad_input.md, "Round three"), principles 4 to 8: GGUF files, resumes that would
-destroy a later result (and old checkpoints after a new flag), messages naming the real cause, and process-level
+"""Bad input, principles 4 to 8 of this file (docs/bad_input.md, one section a principle): GGUF files, resumes that
+would destroy a later result (and old checkpoints after a new flag), messages naming the real cause, and process-level
 cases (seed + rank, two resumes at once; SIGHUP is in test_faults.py, where it saves a checkpoint that resumes).
 """
 

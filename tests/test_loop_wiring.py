@@ -213,7 +213,7 @@ class FakeWriter:
 
 
 def test_perf_seconds_are_cumulative_per_phase_and_tokens_per_second_over_both(monkeypatch):
-    """perf/rollout_seconds and perf/train_seconds add up each phase's wall time over the run (the README's
+    """perf/rollout_seconds and perf/train_seconds add up each phase's wall time over the run (docs/logs.md's
     "cumulative"); perf/tokens_per_second divides the tokens by the time of both phases. Guards a timer that
     keeps only the last interval, swapped phases, or a rate over one phase."""
     import time
@@ -261,8 +261,8 @@ def test_peak_memory_on_cpu_is_the_resident_peak_in_gib():
 
 
 def test_summary_line_reports_the_first_5_and_last_10_percent(capsys):
-    """The closing line is the README's benchmark: the mean score over the first 5% and the last 10% of the steps
-    (2 and 4 of 40 here). Guards an off-by-one or a wrong share in those windows."""
+    """The closing line is the benchmark of docs/benchmarks.md: the mean score over the first 5% and the last 10% of
+    the steps (2 and 4 of 40 here). Guards an off-by-one or a wrong share in those windows."""
     import re
 
     scores = [0.01 * i for i in range(40)]

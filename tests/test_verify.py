@@ -16,7 +16,7 @@ import ppo
 import verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# verify.py's recommended dumps (its docstring and the README give the same commands).
+# verify.py's recommended dumps (its docstring and docs/verify.md give the same commands).
 GRPO_RECIPE = dict(
     task="copy:1-3",
     num_steps=3,
@@ -419,13 +419,13 @@ def test_trl_loss_types(capsys, tmp_path, loss_agg):
 
 
 def recipe(script):
-    """The recommended command of verify.py's docstring, as Args fields; the README gives the same command."""
+    """The recommended command of verify.py's docstring, as Args fields; docs/verify.md gives the same command."""
     text = verify.__doc__.replace("\\\n", " ")
     line = next(line for line in text.splitlines() if line.strip().startswith(f"python {script}.py"))
     tokens = line.split("#")[0].split()[2:]
     fields = {tokens[i][2:].replace("-", "_"): tokens[i + 1] for i in range(0, len(tokens), 2)}
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert " ".join(line.split("#")[0].split()) in readme
+    page = open(os.path.join(ROOT, "docs", "verify.md"), encoding="utf-8").read()
+    assert " ".join(line.split("#")[0].split()) in page
     return {k: v for k, v in fields.items() if k != "dump_dir"}
 
 
