@@ -7,7 +7,6 @@ algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loa
 tasks in tasks.py, the run's flags and logs in bookkeeping.py, its checkpoints, dumps and guards in checkpoints.py.
 """
 
-import contextlib
 import random
 
 import torch
@@ -55,50 +54,6 @@ def encode_prompts(tokenizer, prompts, chat_template=True):
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
-PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
-
-
-@contextlib.contextmanager
-def decoding_attention(model, prompt_ids, new_tokens):
-    """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
-    on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
-    (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
-    under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
-    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
-    config = getattr(model, "config", None)
-    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
-    plain = (
-        getattr(config, "_attn_implementation", None) == "sdpa"
-        and hasattr(model, "set_attn_implementation")
-        and prompt_ids.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
-    )
-    if plain:
-        model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        if plain:
-            model.set_attn_implementation("sdpa")
-
-
-@contextlib.contextmanager
-def generation_mode(model):
-    """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
-    was_training, was_checkpointing = model.training, precision.activation_checkpointing(model)
-    if was_checkpointing:
-        precision.set_activation_checkpointing(model, False)
-    model.eval()
-    try:
-        yield
-    finally:
-        if was_checkpointing:
-            precision.set_activation_checkpointing(model, True)
-        model.train(was_training)
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False, chat_template=True):
     """Sample one completion per prompt string, in one batched call with left padding and a KV cache.
@@ -124,7 +79,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        with generation_mode(model), decoding_attention(model, prompt_ids, max_new_tokens):
+        with precision.generation_mode(model), precision.decoding_attention(model, prompt_ids, max_new_tokens):
             # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
             cache = prompt_cache.shared_prompt_cache(
                 model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
@@ -334,6 +289,12 @@ def adamw_param_groups(model, weight_decay, decay_norms_and_biases=True):
     ]
 
 
+def clip_grad_norms(models, max_norm):
+    """Clip each model's gradient to `max_norm` by its own global norm (a critic's does not shrink the policy's).
+    Returns each model's norm before clipping, by name."""
+    return {name: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) for name, model in models.items()}
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of `x` over the positions where `mask` is 1: sum(x * m) / sum(m), over `dim` or everything.
 
@@ -442,6 +403,18 @@ def token_means(terms, args):
         v_clipped = (terms["new_values"] - terms["old_values"]).abs() > args.cliprange_value
         means.update(value_loss=masked_mean(terms["v_loss"], mask), clipfrac_value=masked_mean(v_clipped.float(), mask))
     return means
+
+
+def ids_and_masks(batch):
+    """The token ids and masks of a sampled batch: what a model reads (its prompt_ids, prompt_mask [N, P],
+    completion_ids, completion_mask [N, T])."""
+    return {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+
+
+def evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype):
+    """evaluate() of the policy as a run holds it: under its autocast, with its whole weights under torchrun."""
+    with autocast(device, dtype), dist.full_weights(policy):
+        return evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
 
 
 def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num_examples=200, batch_size=64):

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from tqdm import tqdm
 
 import common
 from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, startup
@@ -127,15 +126,8 @@ def check_args(args):
     flags.check_run_args(args)
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
-    flags.check_positive(
-        args,
-        "prompts_per_step",
-        "max_new_tokens",
-        "num_steps",
-        "num_iterations",
-        "micro_batch_size",
-        "max_sampling_rounds",
-    )
+    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
+    flags.check_positive(args, "num_iterations", "max_sampling_rounds")
     flags.check_range(args, ">= 0", "beta")
     flags.check_range(args, "> 0", "adv_eps")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
@@ -294,9 +286,8 @@ def main(args, flags_given=()):
     scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
     policy, ref_model = dist.shard(policy, ref_model)
-    optimizer, scheduler = startup.make_optimizer(
-        trained, {"policy": args.learning_rate}, args, common.adamw_param_groups
-    )
+    lrs = {"policy": args.learning_rate}
+    optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
@@ -304,14 +295,7 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(
-        range(first_step, args.num_steps + 1),
-        desc=SCRIPT,
-        initial=first_step - 1,
-        total=args.num_steps,
-        dynamic_ncols=True,
-        disable=not dist.is_main(),
-    )
+    pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
@@ -324,11 +308,10 @@ def main(args, flags_given=()):
             b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
             N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
+            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat(
-                    [fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m]) for m in micro_batches]
-                )
+                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
                 logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
                 b_old_logp = forward(logprobs, policy) if args.num_iterations > 1 else None
@@ -337,12 +320,7 @@ def main(args, flags_given=()):
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
             advantages = compute_advantages(dict(rewards=all_rewards), args)[dist.rows(len(rewards))]  # [N]
-            b_rollout = dict(
-                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
-                rewards=rewards,
-                advantages=advantages,
-                ref_logp=b_ref_logp,
-            )
+            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
             batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
         # OPTIMIZE: num_iterations optimizer steps, each on the whole batch in order, accumulated over micro-batches.
@@ -358,21 +336,13 @@ def main(args, flags_given=()):
                 for micro in mb_inds.split(args.micro_batch_size):
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy,
-                            b_input_ids[micro],
-                            b_attention_mask[micro],
-                            b_mask[micro],
-                            args.temperature,
-                            return_entropy=True,
+                            policy, *rows(micro), args.temperature, return_entropy=True
                         )  # [n, T]
                     outputs = dict(new_logp=new_logp)
                     loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
-                grad_norms = {
-                    name: torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    for name, model in trained.items()
-                }
+                grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own
                 dump = dumps.batch_dump(b_rollout, updates[-1], DUMPED)  # the last iteration's is written
                 dumps.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], sum(grad_norms.values()))
                 optimizer.step()
@@ -396,10 +366,7 @@ def main(args, flags_given=()):
             "losses/grad_norm": dist.local(grad_norms["policy"]),
         }
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(
-                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-                )
+            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
         losses = common.logged_losses(updates, args)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used

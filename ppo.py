@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from tqdm import tqdm
 
 import common
 from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
@@ -138,17 +137,8 @@ DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy",
 
 def check_args(args):
     flags.check_run_args(args)
-    flags.check_positive(
-        args,
-        "prompts_per_step",
-        "samples_per_prompt",
-        "max_new_tokens",
-        "num_steps",
-        "update_epochs",
-        "num_minibatches",
-        "micro_batch_size",
-        "kl_horizon",
-    )
+    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
+    flags.check_positive(args, "samples_per_prompt", "update_epochs", "num_minibatches", "kl_horizon")
     dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
     batch_size = args.prompts_per_step * args.samples_per_prompt
     per_process = batch_size // dist.world_size()
@@ -221,9 +211,7 @@ def token_values(critic, input_ids, attention_mask, completion_mask):
     if critic is None:
         return torch.zeros(completion_mask.shape, device=completion_mask.device)
     T = completion_mask.shape[1]
-    return (
-        critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask
-    )  # the state before token t, as for log-probs
+    return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as logp's
 
 
 def kl_estimate(logp, ref_logp, kind):
@@ -407,14 +395,7 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(
-        range(first_step, args.num_steps + 1),
-        desc=SCRIPT,
-        initial=first_step - 1,
-        total=args.num_steps,
-        dynamic_ncols=True,
-        disable=not dist.is_main(),
-    )
+    pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
@@ -427,11 +408,10 @@ def main(args, flags_given=()):
             b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
             N = len(scores)
+            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat(
-                    [fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m]) for m in micro_batches]
-                )
+                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
                 logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
                 b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
                 b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
@@ -439,7 +419,7 @@ def main(args, flags_given=()):
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
             b_rollout = dict(
-                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                common.ids_and_masks(sampled),
                 scores=scores,
                 token_scores=sampled["token_scores"],
                 values=b_values,
@@ -471,23 +451,14 @@ def main(args, flags_given=()):
                 for micro in mb_inds.split(args.micro_batch_size):
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy,
-                            b_input_ids[micro],
-                            b_attention_mask[micro],
-                            b_mask[micro],
-                            args.temperature,
-                            return_entropy=True,
-                            entropy_grad=args.ent_coef > 0,
-                        )  # [n, T]; the entropy: in the loss?
-                        new_values = token_values(critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro])
+                            policy, *rows(micro), args.temperature, return_entropy=True, entropy_grad=args.ent_coef > 0
+                        )  # [n, T]; the entropy is a constant (logged) unless it is in the loss
+                        new_values = token_values(critic, *rows(micro))  # [n, T]
                     outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
                     loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
                     loss.backward()
                     updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
-                grad_norms = {
-                    name: torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    for name, model in trained.items()
-                }
+                grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own
                 dump = dumps.batch_dump(
                     b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates]
                 )
@@ -513,10 +484,7 @@ def main(args, flags_given=()):
         if ref_model is not None:
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(
-                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-                )
+            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
         losses = common.logged_losses(updates, args)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used

@@ -154,6 +154,16 @@ def make_writer(run_dir, args, first_step, **models):
     return writer
 
 
+def progress(script, first_step, num_steps):
+    """The steps left to run, as a progress bar (on the main process only)."""
+    from tqdm import tqdm
+
+    steps = range(first_step, num_steps + 1)
+    return tqdm(
+        steps, desc=script, initial=first_step - 1, total=num_steps, dynamic_ncols=True, disable=not dist.is_main()
+    )
+
+
 def log_step(writer, step, scalars, losses, timer, total_tokens, device):
     """One step's scalars: the loop's own (`scalars`), the losses of its updates (common.logged_losses), and the
     time and memory."""

@@ -7,6 +7,8 @@ GRPO step of SmolLM2-135M takes 0.68x the float32 time (benchmarks/step_speed.py
 slower than float32, so `auto` asks the hardware first.
 """
 
+import contextlib
+
 import torch
 
 from machinery import distributed as dist
@@ -83,3 +85,47 @@ def set_activation_checkpointing(model, on):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_disable()
+
+
+PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
+
+
+@contextlib.contextmanager
+def decoding_attention(model, prompt_ids, new_tokens):
+    """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
+    on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
+    (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
+    under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
+    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
+    config = getattr(model, "config", None)
+    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
+    plain = (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and hasattr(model, "set_attn_implementation")
+        and prompt_ids.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
+    )
+    if plain:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if plain:
+            model.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def generation_mode(model):
+    """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
+    was_training, was_checkpointing = model.training, activation_checkpointing(model)
+    if was_checkpointing:
+        set_activation_checkpointing(model, False)
+    model.eval()
+    try:
+        yield
+    finally:
+        if was_checkpointing:
+            set_activation_checkpointing(model, True)
+        model.train(was_training)

@@ -50,6 +50,7 @@ def score(tokenizer, reward_fn, completions, **kw):
     return scoring.score_tokens(task_of(reward_fn), tokenizer, ["p="] * n, completions, ["a"] * n, ids, mask), mask
 
 
+@pytest.mark.exact
 def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer):
     spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]
     placed, mask = score(tiny_tokenizer, spans, ["12345", "98765"])  # one character a token, then EOS
@@ -57,6 +58,7 @@ def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer
     assert torch.equal(placed, torch.stack([expected, expected]))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("pad_left", [0, 3])
 def test_per_token_values_and_outcomes_follow_the_real_tokens(tiny_tokenizer, pad_left):
     def reward(prompt, completion, answer):
@@ -72,6 +74,7 @@ def test_per_token_values_and_outcomes_follow_the_real_tokens(tiny_tokenizer, pa
     assert torch.equal(placed * (1 - mask), torch.zeros_like(placed))  # nothing on padding
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("pad_left", [0, 2])
 def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes_it(pad_left):
     tokenizer = byte_tokenizer()
@@ -217,6 +220,7 @@ def test_grpo_outcome_is_the_sum_of_the_dense_reward(tmp_path, monkeypatch):
     assert len(set(expected)) > 1  # the completions differ, so a wrong sum could not pass
 
 
+@pytest.mark.exact
 def test_ppo_reward_holds_each_value_at_its_token(tmp_path, monkeypatch):
     """With no KL penalty and no missing-EOS penalty, PPO's per-token reward is the dense reward itself."""
     dense_task(

@@ -183,6 +183,7 @@ def final_weights(run_root):
     return weights
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 @pytest.mark.parametrize("script, configs", [("grpo", GRPO_CONFIGS), ("ppo", PPO_CONFIGS)])
 def test_two_processes_update_as_one(tmp_path, monkeypatch, digits_task, script, configs):

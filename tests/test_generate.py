@@ -23,6 +23,7 @@ def first_eos_mask(completion_ids, eos_ids):
     return mask
 
 
+@pytest.mark.exact
 def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer):
     eos_ids = models.eos_token_ids(tiny_model, tiny_tokenizer)
     torch.manual_seed(0)
@@ -36,6 +37,7 @@ def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer)
     assert (lengths < completion_ids.shape[1]).any() and (lengths == 12).any()  # some rows stop early, some do not
 
 
+@pytest.mark.exact
 def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.pad_token = tokenizer.eos_token

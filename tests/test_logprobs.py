@@ -8,6 +8,7 @@ from conftest import make_small_model
 import common
 import grpo
 import ppo
+from machinery import precision
 
 PAD = 0
 
@@ -98,6 +99,7 @@ def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_mod
         assert_grad_close(g, eg)
 
 
+@pytest.mark.exact
 def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer, monkeypatch):
     """generate() continuing from each group's shared prompt cache draws the same tokens as from 12 prompts."""
     from machinery import prompt_cache
@@ -296,7 +298,7 @@ def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
     ):
         with (
             torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
-            common.decoding_attention(model, ids, new_tokens),
+            precision.decoding_attention(model, ids, new_tokens),
         ):
             seen.append(model.config._attn_implementation)
         assert model.config._attn_implementation == "sdpa"
@@ -304,12 +306,13 @@ def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
     with (
         pytest.raises(RuntimeError),
         torch.autocast("cpu", dtype=torch.bfloat16),
-        common.decoding_attention(model, small, 16),
+        precision.decoding_attention(model, small, 16),
     ):
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.exact
 def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_rows():
     """Under bf16 autocast every log-prob of a step comes from one kernel, whatever the rows of the call: a copy of
     the policy (the reference) gives the same log-probs (the step-1 KL is 0), and slices of the batch (PPO's old
@@ -332,6 +335,7 @@ def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_r
     torch.testing.assert_close(torch.cat(rows), whole, atol=0, rtol=0)
 
 
+@pytest.mark.exact
 def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_tokenizer):
     """The kernel decoding_attention switches to is the same attention: log-probs and gradients (the prompt shared, as
     GRPO's groups are) agree with SDPA's in float32, and the same seed samples the same completions."""
