@@ -73,10 +73,10 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="every micro-batch takes the first rows' reference log-probs (a wrong slice)",
-        find="compute_loss(dict(new_logp=new_logp), common.select_rows(batch, micro), args)",
+        find="loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)",
         replace=(
-            "compute_loss(dict(new_logp=new_logp), dict(common.select_rows(batch, micro), "
-            "ref_logp=b_ref_logp[: len(b_mask[micro])] if b_ref_logp is not None else None), args)"
+            "loss, terms = compute_loss(outputs, dict(common.select_rows(mb_batch, micro), "
+            "ref_logp=b_ref_logp[: len(micro)] if b_ref_logp is not None else None), args)"
         ),
     ),
     dict(
@@ -93,12 +93,14 @@ MUTANTS = [
         tests=REF_GRPO,
         what="gradients zeroed once per step: iteration 2 adds to iteration 1's gradient",
         find=(
-            "            for iteration in range(args.num_iterations):\n"
+            "            for mb_inds in minibatches:\n                mb_batch = batch  # num_seqs, "
+            "num_tokens: the whole batch's, under torchrun every process's\n"
             "                optimizer.zero_grad(set_to_none=True)\n"
         ),
         replace=(
-            "            optimizer.zero_grad(set_to_none=True)\n"
-            "            for iteration in range(args.num_iterations):\n"
+            "            optimizer.zero_grad(set_to_none=True)\n            for mb_inds in minibatches:\n"
+            "                mb_batch = batch  # num_seqs, num_tokens: the whole batch's, "
+            "under torchrun every process's\n"
         ),
     ),
     dict(
@@ -114,8 +116,8 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="the reference log-probs come from the current policy: the KL term is always 0",
-        find="b_ref_logp = forward(ref_model) if ref_model else None",
-        replace="b_ref_logp = forward(policy) if ref_model else None",
+        find="b_ref_logp = forward(logprobs, ref_model) if ref_model else None",
+        replace="b_ref_logp = forward(logprobs, policy) if ref_model else None",
     ),
     dict(
         name="grpo-stats-summed-over-iterations",
@@ -130,8 +132,8 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="charts/completion_length counts the prompt's tokens too (the attention mask, not the completion mask)",
-        find="lengths = dist.gather(b_mask.sum(1).float())",
-        replace="lengths = dist.gather(b_attention_mask.sum(1).float())",
+        find="scores, lengths = all_rewards, dist.gather(b_mask.sum(1).float())",
+        replace="scores, lengths = all_rewards, dist.gather(b_attention_mask.sum(1).float())",
     ),
     dict(
         name="grpo-tokens-completion-only",
@@ -147,16 +149,8 @@ MUTANTS = [
         file="ppo.py",
         tests=REF_PPO,
         what="the ratio is taken against the reference's log-probs instead of the rollout policy's",
-        find=(
-            "micro_batch = {\n"
-            "                            k: b_rollout[k][micro]\n"
-            '                            for k in ("old_logp",'
-        ),
-        replace=(
-            "micro_batch = {\n"
-            '                            k: b_rollout[k if k != "old_logp" else "ref_logp"][micro]\n'
-            '                            for k in ("old_logp",'
-        ),
+        find="mb_batch = dict(b_rollout, num_tokens=",
+        replace='mb_batch = dict(b_rollout, old_logp=b_rollout["ref_logp"], num_tokens=',
     ),
     dict(
         name="ppo-value-loss-args-swapped",
@@ -182,8 +176,8 @@ MUTANTS = [
             "micro-batches are sliced from the epoch's permutation, not from the minibatch: "
             "every minibatch trains the same rows"
         ),
-        find="micro = mb_inds[micro_start : micro_start + args.micro_batch_size]",
-        replace="micro = b_inds[micro_start : micro_start + args.micro_batch_size]",
+        find="for micro in mb_inds.split(args.micro_batch_size):",
+        replace="for micro in torch.arange(N, device=device)[: len(mb_inds)].split(args.micro_batch_size):",
     ),
     dict(
         name="ppo-whiten-over-padding",
@@ -259,24 +253,19 @@ MUTANTS = [
     ),
     dict(
         name="ppo-critic-not-clipped",
-        file="ppo.py",
+        file="common.py",
         tests=["tests/test_ppo.py", "-k", "clipped_to_max_grad_norm"],
         what="the critic's gradient is never clipped",
-        find="clip_grad_norm_(model.parameters(), args.max_grad_norm)\n",
-        replace="clip_grad_norm_(model.parameters(), args.max_grad_norm if model is policy else float('inf'))\n",
+        find="clip_grad_norm_(model.parameters(), max_norm) for name",
+        replace="clip_grad_norm_(model.parameters(), max_norm if name == 'policy' else float('inf')) for name",
     ),
     dict(
         name="ppo-no-zero-grad",
         file="ppo.py",
         tests=REF_PPO,
         what="gradients never zeroed between minibatches: each optimizer step adds all earlier gradients",
-        find=(
-            "                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes\n"
-            "                    optimizer.zero_grad(set_to_none=True)\n"
-        ),
-        replace=(
-            "                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes\n"
-        ),
+        find="                optimizer.zero_grad(set_to_none=True)\n                updates.append([])\n",
+        replace="                updates.append([])\n",
     ),
     dict(
         name="ppo-explained-variance-swapped",
@@ -466,9 +455,10 @@ MUTANTS = [
         file="grpo.py",
         tests=GRADIENTS_GRPO,
         what="gradients zeroed before every micro-batch: only the last micro-batch's gradient is applied",
-        find="                for micro in micro_batches:\n",
+        find="                for micro in mb_inds.split(args.micro_batch_size):\n",
         replace=(
-            "                for micro in micro_batches:\n                    optimizer.zero_grad(set_to_none=True)\n"
+            "                for micro in mb_inds.split(args.micro_batch_size):\n"
+            "                    optimizer.zero_grad(set_to_none=True)\n"
         ),
     ),
     dict(
@@ -493,12 +483,13 @@ MUTANTS = [
         tests=GRADIENTS_PPO,
         what="one permutation per step, reused by every epoch: the epochs draw the same minibatches",
         find=(
-            "            for epoch in range(args.update_epochs):\n"
-            "                b_inds = torch.randperm(N, device=device)\n"
+            "                for epoch in range(args.update_epochs)\n                for mb in torch.randperm(N, "
+            "device=device).split(N // args.num_minibatches)\n"
         ),
         replace=(
-            "            b_inds = torch.randperm(N, device=device)\n"
-            "            for epoch in range(args.update_epochs):\n"
+            "                for perm in [torch.randperm(N, device=device)]\n"
+            "                for epoch in range(args.update_epochs)\n"
+            "                for mb in perm.split(N // args.num_minibatches)\n"
         ),
     ),
     dict(
@@ -506,15 +497,15 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --update-epochs (equal defaults hide it)",
-        find="minibatch_size = N // args.num_minibatches",
-        replace="minibatch_size = N // args.update_epochs",
+        find=".split(N // args.num_minibatches)",
+        replace=".split(N // args.update_epochs)",
     ),
     dict(
         name="ppo-kl-coef-not-restored",
         file="ppo.py",
         tests=RESUME_EXACT,
         what="a resumed run restarts the adaptive KL coefficient from --kl-coef",
-        find='kl_coef = state["kl_coef"]',
+        find='kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef',
         replace="kl_coef = args.kl_coef",
     ),
     dict(
