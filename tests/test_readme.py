@@ -2,6 +2,7 @@
 run, for each GRPO variant; every relative link of README.md and docs/*.md points at a file (and a heading) that
 exists; the README is a newcomer's page, at most 300 lines, whose first two commands are the quick start's."""
 
+import difflib
 import glob
 import os
 import re
@@ -118,3 +119,17 @@ def test_the_readme_links_every_docs_page():
         p for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) if f"](docs/{os.path.basename(p)})" not in text
     ]
     assert not missing, missing
+
+
+def changed_share(a, b):
+    """The share of two files' lines that `diff a b` marks changed (difflib's diff: within a point of GNU diff's)."""
+    a, b = open(os.path.join(ROOT, a)).read().splitlines(), open(os.path.join(ROOT, b)).read().splitlines()
+    changed = [line for line in difflib.unified_diff(a, b, n=0, lineterm="") if line[:1] in "+-"]
+    return (len(changed) - 2) / (len(a) + len(b))  # less the two file headers
+
+
+def test_the_readme_says_how_much_of_the_two_algorithm_files_differs():
+    """The README's figure for `diff grpo.py ppo.py` is today's, within 3 points: a change that makes the two files
+    drift apart (or closer) updates the sentence."""
+    figure = int(re.search(r"PPO's reward\): (\d+)% of the two files' lines", read("README.md")).group(1))
+    assert abs(changed_share("grpo.py", "ppo.py") * 100 - figure) <= 3, changed_share("grpo.py", "ppo.py")
