@@ -192,7 +192,17 @@ def load_causal_lm(name, device, dtype=torch.float32):
             "use another architecture"
         )
     model_checks.check_causal_and_finite(model, name)
+    # The head reads a contiguous copy of the hidden states. With logits_to_keep they are a strided view, on which
+    # torch's matmul takes one kernel for a trainable weight (no fold, to spare the gradient a copy) and another for
+    # a frozen one; MKL's AVX-512 kernels round the two differently, so the policy, its frozen reference and a
+    # fresh copy of the base would not compute the same bits (step 1's KL would not be 0). Contiguous: one kernel.
+    model.get_output_embeddings().register_forward_pre_hook(contiguous_input)
     return model
+
+
+def contiguous_input(module, args):
+    """A forward pre-hook: the module's first input made contiguous (values unchanged)."""
+    return (args[0].contiguous(), *args[1:])
 
 
 def load_backbone(name, device):

@@ -1,19 +1,14 @@
 """Shared fixtures: a private model cache, the built-in tiny model, and a small random model with sharp logits.
 
-The exact claims (tests marked `exact`: a seed reproduces, a resume is the uninterrupted run, the reference is the
-base model, step 1's KL is 0) compare two computations bit for bit. MKL's float32 matrix products on AVX-512 may
-round differently for the same values at another memory alignment, so the suite runs MKL in its strict conditional
-numerical reproducibility mode (MKL_CBWR=AUTO,STRICT: the fastest kernels this CPU has, made independent of
-alignment), set here before torch loads MKL, unless you set MKL_CBWR yourself. docs/testing.md lists the claims,
-the kernel paths they were checked on, and how to run the suite on another one.
+Tests marked `exact` make a bit-for-bit claim (a seed reproduces, a resume is the uninterrupted run, the reference is
+the base model, step 1's KL is 0). docs/testing.md lists them, the CPU kernel paths they were checked on, and how
+to run the suite on another path (MKL_CBWR=COMPATIBLE, MKL_ENABLE_INSTRUCTIONS=AVX2, ...).
 """
 
 import os
 
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch loads MKL: it reads this once
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 collect_ignore = ["mutants"]  # tests/mutants/run.py seeds bugs and runs selections of this suite: never part of it
 
