@@ -191,14 +191,10 @@ class Critic(torch.nn.Module):
 
 def load_critic(name, device, args=None):
     """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too); with
-    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (docs/lora_and_memory.md); with
-    --gradient-checkpointing, its activations recomputed as the policy's are."""
+    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (docs/lora_and_memory.md)."""
     critic = Critic(models.load_backbone(name, device))
     models.load_head(critic.value_head, name, device)
-    if args is not None:
-        lora.wrap(critic.backbone, args, task_type=None)
-        if args.gradient_checkpointing:
-            precision.set_activation_checkpointing(critic.backbone, True)
+    lora.wrap(critic.backbone, args, task_type=None) if args is not None else None
     return critic
 
 
@@ -379,6 +375,8 @@ def main(args, flags_given=()):
     # With --vf-coef 0 none is loaded and every value is 0 (token_values), as a critic never trained would give.
     critic = load_critic(args.critic_model or args.model, device, args) if args.vf_coef > 0 else None
     trained = {name: model for name, model in (("policy", policy), ("critic", critic)) if model is not None}
+    if critic is not None and args.gradient_checkpointing:  # as the policy's (startup.load_policy)
+        precision.set_activation_checkpointing(critic.backbone, True)
     # The reference only enters through the KL penalty (none: not loaded). Held like the policy (float32, the same
     # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.kl_coef > 0 or args.target_kl is not None else None
