@@ -165,13 +165,13 @@ def test_principle2_step_bytes_counts_by_hand():
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    args = grpo.Args(prompts_per_step=3, group_size=2, max_new_tokens=4, micro_batch_size=4, beta=0.1)
+    args = grpo.Args(prompts_per_step=3, group_size=2, max_new_tokens=4, micro_batch_size=8, beta=0.1)
     need, parts = model_checks.step_bytes(args, config)
     params = 10 * 8 + 2 * (4 * 64 + 3 * 8 * 16)
     assert parts["weights and optimizer state"] == params * (16 + 4)  # policy with AdamW, and the reference
     assert parts["the generation's KV cache"] == 6 * 5 * 2 * 2 * 4 * 4  # rows, positions, layers, k and v, kv dim
     assert parts["the generation's logits"] == 6 * 10 * 4
-    assert parts["a micro-batch's logits"] == 4 * 4 * 10 * 4 * 3
+    assert parts["a micro-batch's logits"] == 6 * 4 * 10 * 4 * 3  # a micro-batch of 8 holds the 6 rows there are
     assert need == sum(parts.values())
 
 

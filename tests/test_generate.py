@@ -52,6 +52,22 @@ def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     assert stopped and all(row[row.index(tokenizer.eos_token_id) + 1] == tokenizer.eos_token_id for row in stopped)
 
 
+def test_completions_start_after_the_prompt_when_every_row_stops_early(tiny_model, tiny_tokenizer):
+    """Every token an EOS: each row stops after one token, so the generation is far shorter than max_new_tokens
+    (6, not the prompt width 4 either) and the completion is the one column after the prompt: greedy, the argmax
+    of the model's last prompt logits."""
+    eos_ids = list(range(tiny_model.config.vocab_size))
+    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+        tiny_model, tiny_tokenizer, PROMPTS[:4], 6, 1.0, eos_ids, greedy=True
+    )
+    assert prompt_ids.shape == (4, 4) and completion_ids.shape == completion_mask.shape == (4, 1)
+    positions = common.position_ids_from_mask(prompt_mask)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions).logits
+    assert completion_ids[:, 0].tolist() == logits[:, -1].argmax(-1).tolist()
+    assert completion_mask.tolist() == [[1]] * 4
+
+
 def total_variation(samples, probs):
     freqs = torch.bincount(samples, minlength=len(probs)).float() / len(samples)
     return 0.5 * (freqs - probs).abs().sum().item()

@@ -67,23 +67,26 @@ def test_token_logprobs_match_full_softmax(small_model, temperature):
     assert (logp[completion_mask == 0] == 0).all() and (entropy[completion_mask == 0] == 0).all()
 
 
-def grouped_batch():
-    """Two groups of three completions each sharing a prompt (the second left-padded), as GRPO lays out a batch."""
+def grouped_batch(width=5):
+    """Two groups of three completions each sharing a prompt of 4 positions (the second left-padded), as GRPO lays out
+    a batch; completions `width` wide (5: longer than the prompt, 2: shorter)."""
     input_ids, attention_mask, completion_mask = ragged_batch()
     rows = torch.tensor([0, 0, 0, 1, 1, 1])
     g = torch.Generator().manual_seed(2)
-    input_ids, attention_mask = input_ids[rows].clone(), attention_mask[rows].clone()
-    input_ids[:, 4:] = torch.randint(2, 32, (6, 5), generator=g)  # each completion its own
-    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]] * 2)
+    input_ids, attention_mask = input_ids[rows, : 4 + width].clone(), attention_mask[rows, : 4 + width].clone()
+    input_ids[:, 4:] = torch.randint(2, 32, (6, width), generator=g)  # each completion its own
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]] * 2)[:, :width]
     attention_mask[:, 4:] = completion_mask
     return input_ids, attention_mask, completion_mask
 
 
-def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model):
-    """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients."""
+@pytest.mark.parametrize("width", [5, 2])
+def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model, width):
+    """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients, whether
+    the completions are wider than the prompts or narrower."""
     from machinery import prompt_cache
 
-    input_ids, attention_mask, completion_mask = grouped_batch()
+    input_ids, attention_mask, completion_mask = grouped_batch(width)
     first, run = prompt_cache.prompt_runs(input_ids[:, :4], attention_mask[:, :4])
     assert first.tolist() == [0, 3] and run.tolist() == [0, 0, 0, 1, 1, 1]  # so the shared path runs below
     positions = common.position_ids_from_mask(attention_mask)
