@@ -669,8 +669,8 @@ MUTANTS = [
         file="grpo.py",
         tests=GROUP_LOGS,
         what="charts/informative_groups counts groups of prompts_per_step rows",
-        find='"charts/informative_groups": (all_rewards.view(-1, args.group_size)',
-        replace='"charts/informative_groups": (all_rewards.view(-1, args.prompts_per_step)',
+        find="groups = all_rewards.view(-1, args.group_size)  # [prompts, G]",
+        replace="groups = all_rewards.view(-1, args.prompts_per_step)  # [prompts, G]",
     ),
     dict(
         name="grpo-samples-printed-per-prompts",
@@ -682,11 +682,11 @@ MUTANTS = [
     ),
     dict(
         name="grpo-prompts-of-group-size",
-        file="grpo.py",
+        file="common.py",
         tests=GROUP_LOGS,
         what="each step keeps group_size of its prompts_per_step prompts (more prompts than a group: fewer rows)",
-        find="dist.rows(args.prompts_per_step // dist.world_size())",
-        replace="dist.rows(args.group_size // dist.world_size())",
+        find="[dist.rows(args.prompts_per_step // dist.world_size())]",
+        replace="[dist.rows(getattr(args, 'group_size', args.prompts_per_step) // dist.world_size())]",
     ),
     dict(
         name="grpo-sum-norm-batch-width",
@@ -701,8 +701,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --samples-per-prompt instead of --num-minibatches",
-        find="minibatch_size = N // args.num_minibatches",
-        replace="minibatch_size = N // args.samples_per_prompt",
+        find=".split(N // args.num_minibatches)",
+        replace=".split(N // args.samples_per_prompt)",
     ),
     dict(
         name="ppo-samples-printed-per-prompts",
