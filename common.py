@@ -7,7 +7,6 @@ algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loa
 tasks in tasks.py, the run's flags and logs in bookkeeping.py, its checkpoints, dumps and guards in checkpoints.py.
 """
 
-import contextlib
 import random
 
 import torch
@@ -15,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from machinery import distributed as dist
-from machinery import models, prompt_cache, scoring
+from machinery import models, precision, prompt_cache, scoring
 
 
 class PromptSampler:
@@ -55,68 +54,6 @@ def encode_prompts(tokenizer, prompts, chat_template=True):
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
-def activation_checkpointing(model):
-    """Whether the model recomputes its activations in the backward pass (transformers 5 renamed the flag)."""
-    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, f)), None)
-    return bool(flag and getattr(model, flag))
-
-
-def set_activation_checkpointing(model, on):
-    """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(
-            {"use_reentrant": False}
-        ) if on else model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
-PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
-
-
-@contextlib.contextmanager
-def decoding_attention(model, prompt_ids, new_tokens):
-    """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
-    on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
-    (README: a step against this CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
-    under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
-    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
-    config = getattr(model, "config", None)
-    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
-    plain = (
-        getattr(config, "_attn_implementation", None) == "sdpa"
-        and hasattr(model, "set_attn_implementation")
-        and prompt_ids.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
-    )
-    if plain:
-        model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        if plain:
-            model.set_attn_implementation("sdpa")
-
-
-@contextlib.contextmanager
-def generation_mode(model):
-    """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
-    was_training, was_checkpointing = model.training, activation_checkpointing(model)
-    if was_checkpointing:
-        set_activation_checkpointing(model, False)
-    model.eval()
-    try:
-        yield
-    finally:
-        if was_checkpointing:
-            set_activation_checkpointing(model, True)
-        model.train(was_training)
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False, chat_template=True):
     """Sample one completion per prompt string, in one batched call with left padding and a KV cache.
@@ -142,7 +79,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        with generation_mode(model), decoding_attention(model, prompt_ids, max_new_tokens):
+        with precision.generation_mode(model), precision.decoding_attention(model, prompt_ids, max_new_tokens):
             # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
             cache = prompt_cache.shared_prompt_cache(
                 model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
@@ -153,6 +90,11 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+def sample_prompts(sampler, args):
+    """This process's share of a step's --prompts-per-step prompts (one process: all of them)."""
+    return sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
 
 
 def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype, eos_ids):
@@ -207,7 +149,7 @@ def concat_batches(a, b):
             continue
         if x.dim() == 2:  # [N, width]: pad the narrower one, on the left for prompts
             width, left = max(x.shape[1], y.shape[1]), key.startswith("prompt")
-            pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))  # noqa: E731
+            pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))
             x, y = pad(x), pad(y)
         joined[key] = torch.cat([x, y])
     return joined
@@ -347,6 +289,12 @@ def adamw_param_groups(model, weight_decay, decay_norms_and_biases=True):
     ]
 
 
+def clip_grad_norms(models, max_norm):
+    """Clip each model's gradient to `max_norm` by its own global norm (a critic's does not shrink the policy's).
+    Returns each model's norm before clipping, by name."""
+    return {name: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) for name, model in models.items()}
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of `x` over the positions where `mask` is 1: sum(x * m) / sum(m), over `dim` or everything.
 
@@ -437,6 +385,57 @@ def explained_variance(values, returns, mask, mean=masked_mean):
 
 
 @torch.no_grad()
+def logged_losses(updates, args):
+    """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
+
+    updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
+    Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real
+    tokens; under torchrun, over every process's micro-batches), averaged over the step's updates.
+    """
+    names, sums = None, []  # per update: each statistic times tokens, summed over micro-batches; then the tokens
+    for micro_terms in updates:
+        update = 0
+        for terms in micro_terms:
+            means = token_means(terms, args)
+            names = list(means)
+            tokens = terms["mask"].sum().double()
+            update = update + torch.stack([value.double() * tokens for value in means.values()] + [tokens])
+        sums.append(update)
+    sums = dist.sum(torch.stack(sums))  # [updates, statistics + 1]
+    means = sums[:, :-1] / sums[:, -1:].clamp(min=1)
+    return {name: value.item() for name, value in zip(names, means.mean(0))}
+
+
+def token_means(terms, args):
+    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's
+    critic."""
+    mask, logratio = terms["mask"], terms["logratio"]
+    means = dict(
+        policy_loss=masked_mean(terms["pg_loss"], mask),
+        approx_kl=approx_kl(logratio, mask),
+        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
+        entropy=masked_mean(terms["entropy"], mask),
+    )
+    if "kl_ref" in terms:
+        means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
+    if "v_loss" in terms:
+        v_clipped = (terms["new_values"] - terms["old_values"]).abs() > args.cliprange_value
+        means.update(value_loss=masked_mean(terms["v_loss"], mask), clipfrac_value=masked_mean(v_clipped.float(), mask))
+    return means
+
+
+def ids_and_masks(batch):
+    """The token ids and masks of a sampled batch: what a model reads (its prompt_ids, prompt_mask [N, P],
+    completion_ids, completion_mask [N, T])."""
+    return {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+
+
+def evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype):
+    """evaluate() of the policy as a run holds it: under its autocast, with its whole weights under torchrun."""
+    with autocast(device, dtype), dist.full_weights(policy):
+        return evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
+
+
 def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num_examples=200, batch_size=64):
     """Greedy completions on the held-out split: eval/accuracy (share with reward 1) and eval/reward (mean)."""
     examples = task.test[:num_examples]

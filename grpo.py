@@ -33,20 +33,20 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from tqdm import tqdm
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, lora, models, precision
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, startup
 from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 from machinery.errors import UsageError
 from tasks import load_task
 
 
 @dataclass
-class Args(bookkeeping.RunArgs):
+class Args(flags.RunArgs):
     """GRPO (see the top of grpo.py); the first flags (data, precision, checkpoints, logs) are shared with ppo.py.
     The defaults are the built-in tiny model's; on any other model, HUB_DEFAULTS replace some of them."""
 
+    # Shared with the other algorithm file: the same names, meanings and (but for the sizes) defaults.
     exp_name: str = "grpo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -61,29 +61,32 @@ class Args(bookkeeping.RunArgs):
     """training steps; each samples prompts_per_step * group_size completions"""
     prompts_per_step: int = 16
     """distinct prompts per step"""
-    group_size: int = 8
-    """completions per prompt (G), the group the advantage is standardised over"""
     max_new_tokens: int = 5
     """longest completion, in tokens"""
     temperature: float = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
     learning_rate: float = 5e-4
-    """AdamW learning rate"""
+    """AdamW learning rate of the policy"""
     weight_decay: float = 0.0
-    """AdamW weight decay (decoupled); 0 as in TRL and OpenRLHF (verl uses 0.01)"""
+    """AdamW weight decay (decoupled), of every trained model; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     decay_norms_and_biases: bool = True
     """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer
     (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
-    """gradients are clipped to this global norm"""
-    num_iterations: int = 1
-    """optimizer steps on each batch (mu in the paper)"""
+    """the gradients of each trained model are clipped to this global norm"""
     clip_low: float = 0.2
     """the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
     """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
+    micro_batch_size: int = 128
+    """completions per forward/backward pass; the gradient is that of the whole batch an optimizer step takes"""
+    # GRPO's own: the group, the KL term in the loss and the variants (Dr. GRPO, DAPO, GSPO).
+    group_size: int = 8
+    """completions per prompt (G), the group the advantage is standardised over"""
+    num_iterations: int = 1
+    """optimizer steps on each batch (mu in the paper)"""
     beta: float = 0.08
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
     scale_rewards: Literal["group", "batch", "none"] = "batch"
@@ -97,8 +100,6 @@ class Args(bookkeeping.RunArgs):
     kl * grad log p; an unbiased KL gradient under --importance-level token only (sequence: one ratio on all)"""
     importance_level: Literal["token", "sequence"] = "token"
     """one ratio per token (PPO, GRPO) or one per completion, the geometric mean (GSPO)"""
-    micro_batch_size: int = 128
-    """completions per forward/backward pass; the gradient is that of the whole batch"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: train only on groups whose rewards differ, sampling more prompts to fill the batch"""
     max_sampling_rounds: int = 3
@@ -116,25 +117,36 @@ HUB_DEFAULTS = dict(
     bias_corrected_kl=False,
     micro_batch_size=8,
 )
+SCRIPT = "grpo"  # names its checkpoints, dumps and logs
 DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
+LOADERS = {"policy": models.load_causal_lm}  # what --resume builds each trained model's checkpoint into
 
 
 def check_args(args):
-    bookkeeping.check_run_args(args)
+    flags.check_run_args(args)
     if args.group_size < 2:
         raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
-    bookkeeping.check_positive(
-        args,
-        "prompts_per_step",
-        "max_new_tokens",
-        "num_steps",
-        "num_iterations",
-        "micro_batch_size",
-        "max_sampling_rounds",
-    )
-    bookkeeping.check_range(args, ">= 0", "beta")
-    bookkeeping.check_range(args, "> 0", "adv_eps")
+    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
+    flags.check_positive(args, "num_iterations", "max_sampling_rounds")
+    flags.check_range(args, ">= 0", "beta")
+    flags.check_range(args, "> 0", "adv_eps")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
+
+
+def dynamic_sampling(sample, args):
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
+    on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
+    that differ, then keep those. After --max-sampling-rounds the batch is filled with equal-reward groups, so
+    every step has the same size (and, under torchrun, every process the same number of micro-batches).
+    Returns the batch and the number of rounds sampled."""
+    batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
+    informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # [groups]
+    while rounds < args.max_sampling_rounds and dist.any(int(informative().sum()) < n_groups):  # a process lacks some
+        batch, rounds = common.concat_batches(batch, sample()), rounds + 1
+    informative = informative()
+    groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
+    rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
+    return common.select_rows(batch, rows), rounds
 
 
 def group_advantages(rewards, group_size, scale, eps=1e-4):
@@ -262,197 +274,118 @@ def compute_loss(outputs, batch, args):
     )
 
 
-def dynamic_sampling(sample, args):
-    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
-    on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
-    that differ, then keep those. After --max-sampling-rounds the batch is filled with equal-reward groups, so
-    every step has the same size (and, under torchrun, every process the same number of micro-batches).
-    Returns the batch and the number of rounds sampled."""
-    batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
-    informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # noqa: E731  [groups]
-    while rounds < args.max_sampling_rounds and dist.any(int(informative().sum()) < n_groups):  # a process lacks some
-        batch, rounds = common.concat_batches(batch, sample()), rounds + 1
-    informative = informative()
-    groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
-    rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
-    return common.select_rows(batch, rows), rounds
-
-
 def main(args, flags_given=()):
-    preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
-    check_args(args)
-    models.check_model_names(args, ["model", "reward_model"])
-    task = load_task(args.task)
-    device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
-    dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
-    state = checkpoints.load_checkpoint(args.resume, "grpo", args, task) if args.resume else None  # checked first
-    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
-    dumps.start_dumps(args, "grpo", run_dir)
-    bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
-
-    bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
-    start_time = time.time()
-    tokenizer = models.load_tokenizer(args.model, args.system_prompt)
-    policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
-    policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
-    if args.gradient_checkpointing:
-        common.set_activation_checkpointing(policy, True)
+    # SETUP: every flag, model name, the task, the checkpoint and the memory bound checked before anything loads.
+    run = startup.start(SCRIPT, args, HUB_DEFAULTS, flags_given, check_args, load_task)
+    task, device, dtype, run_dir = run.task, run.device, run.dtype, run.run_dir
+    tokenizer, policy = startup.load_policy(args, device)  # float32 master weights; --lora-rank: adapters
+    trained = {"policy": policy}
     # The reference only enters through beta * KL in the loss (beta 0: not loaded). Held like the policy (float32, the
     # same autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.beta > 0 else None
-    scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
-    models.check_vocabulary(tokenizer, task, args.model)
-    models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
-    eos_ids = models.eos_token_ids(policy, tokenizer)
+    scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
     policy, ref_model = dist.shard(policy, ref_model)
-    optimizer = torch.optim.AdamW(
-        common.adamw_param_groups(policy, args.weight_decay, args.decay_norms_and_biases), lr=args.learning_rate
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
-    )
+    lrs = {"policy": args.learning_rate}
+    optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     sampler = common.PromptSampler(task.train, args.seed)
-    first_step, history = 1, {"score": [], "length": [], "tokens": 0}
-    if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG states and history
-        lora.restore_weights(policy, os.path.join(args.resume, "policy"), models.load_causal_lm)
-        first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
-    writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, reference=ref_model)
+    first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
+    writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(
-        range(first_step, args.num_steps + 1),
-        desc="grpo",
-        dynamic_ncols=True,
-        initial=first_step - 1,
-        total=args.num_steps,
-        disable=not dist.is_main(),
-    )
+    pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
+            prompts = lambda: common.sample_prompts(sampler, args)
             sample = lambda: common.rollout(
-                policy,
-                tokenizer,
-                scorer,
-                sampler.sample(args.prompts_per_step)[  # noqa: E731
-                    dist.rows(args.prompts_per_step // dist.world_size())
-                ],
-                args.group_size,
-                args,
-                device,
-                dtype,
-                eos_ids,
+                policy, tokenizer, scorer, prompts(), args.group_size, args, device, dtype, eos_ids
             )
             sampled, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
             rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
+            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
+            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
+            N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
+            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
+            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
+                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
+                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
+                # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
+                b_old_logp = forward(logprobs, policy) if args.num_iterations > 1 else None
+                b_ref_logp = forward(logprobs, ref_model) if ref_model else None
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
             advantages = compute_advantages(dict(rewards=all_rewards), args)[dist.rows(len(rewards))]  # [N]
-
-            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
-            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
-            N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
-            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
-            with torch.no_grad(), common.autocast(device, dtype):
-                forward = lambda model: torch.cat(
-                    [
-                        common.token_logprobs(  # noqa: E731
-                            model, b_input_ids[m], b_attention_mask[m], b_mask[m], args.temperature
-                        )
-                        for m in micro_batches
-                    ]
-                )
-                # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
-                b_old_logp = forward(policy) if args.num_iterations > 1 else None
-                b_ref_logp = forward(ref_model) if ref_model else None
-            b_rollout = dict(
-                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
-                rewards=rewards,
-                advantages=advantages,
-                ref_logp=b_ref_logp,
-            )
+            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
             batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
-        # OPTIMIZE: num_iterations steps on the whole batch, accumulated over micro-batches.
+        # OPTIMIZE: num_iterations optimizer steps, each on the whole batch in order, accumulated over micro-batches.
         with timer("train"):
-            policy.train()
+            for model in trained.values():
+                model.train()
+            minibatches = (torch.arange(N, device=device) for iteration in range(args.num_iterations))
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
-            for iteration in range(args.num_iterations):
+            for mb_inds in minibatches:
+                mb_batch = batch  # num_seqs, num_tokens: the whole batch's, under torchrun every process's
                 optimizer.zero_grad(set_to_none=True)
                 updates.append([])
-                for micro in micro_batches:
+                for micro in mb_inds.split(args.micro_batch_size):
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy,
-                            b_input_ids[micro],
-                            b_attention_mask[micro],
-                            b_mask[micro],
-                            args.temperature,
-                            return_entropy=True,
+                            policy, *rows(micro), args.temperature, return_entropy=True
                         )  # [n, T]
-                    loss, terms = compute_loss(dict(new_logp=new_logp), common.select_rows(batch, micro), args)
+                    outputs = dict(new_logp=new_logp)
+                    loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own
                 dump = dumps.batch_dump(b_rollout, updates[-1], DUMPED)  # the last iteration's is written
-                dumps.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], grad_norm)
+                dumps.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], sum(grad_norms.values()))
                 optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
-        # LOGGING: the same names in grpo.py and ppo.py.
+        # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        lengths = dist.gather(b_mask.sum(1).float())
-        history["score"].append(all_rewards.mean().item())  # GRPO's reward is the task score: its KL is in the loss
+        scores, lengths = all_rewards, dist.gather(b_mask.sum(1).float())
+        history["score"].append(scores.mean().item())  # GRPO's reward is the task score: its KL is in the loss
         history["length"].append(lengths.mean().item())
-        baseline = (
-            all_rewards.view(-1, args.group_size).mean(1).repeat_interleave(args.group_size)
-        )  # the group mean, [N]
+        groups = all_rewards.view(-1, args.group_size)  # [prompts, G]
+        baseline = groups.mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
         scalars = {
             "charts/score": history["score"][-1],
             "charts/reward_std": all_rewards.std(),
             "charts/sampled_completions": rounds * args.prompts_per_step * args.group_size,
-            "charts/informative_groups": (all_rewards.view(-1, args.group_size).std(1) > 0).float().mean(),
+            "charts/informative_groups": (groups.std(1) > 0).float().mean(),
             "charts/completion_length": lengths.mean(),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "losses/explained_variance": common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)),
-            "losses/grad_norm": dist.local(grad_norm),
+            "losses/grad_norm": dist.local(grad_norms["policy"]),
         }
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(
-                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-                )
-        bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
+            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
+        losses = common.logged_losses(updates, args)
+        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(
-                checkpoint_dir,
-                "grpo",
-                args,
-                {"policy": policy},
-                tokenizer,
-                step,
-                optimizer,
-                scheduler,
-                sampler,
-                history=history,
+                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, history=history
             )
         if stop.name:
-            stop.exit(step, writer, "grpo")
+            stop.exit(step, writer, SCRIPT)
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
     lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
     writer.close()
-    bookkeeping.print_summary("grpo", history, time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
     return history["score"]
 
 
 if __name__ == "__main__":
-    bookkeeping.run_main(lambda: main(*bookkeeping.parse_args(Args, HUB_DEFAULTS)))
+    bookkeeping.run_main(lambda: main(*flags.parse_args(Args, HUB_DEFAULTS)))

@@ -30,28 +30,26 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from tqdm import tqdm
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, lora, models, precision, scoring
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
 from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
 from machinery.errors import UsageError
 from tasks import load_task
 
 
 @dataclass
-class Args(bookkeeping.RunArgs):
+class Args(flags.RunArgs):
     """PPO with a critic (see the top of ppo.py); the first flags (data, precision, checkpoints, logs) are shared
     with grpo.py. The defaults are the built-in tiny model's; on any other model, HUB_DEFAULTS replace some."""
 
+    # Shared with the other algorithm file: the same names, meanings and (but for the sizes) defaults.
     exp_name: str = "ppo"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
     model: str = models.TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
-    critic_model: Optional[str] = None
-    """hub id or local folder the critic's backbone starts from (default: the policy's weights)"""
     task: str = "copy"
     """task to train on (see tasks.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
@@ -60,33 +58,38 @@ class Args(bookkeeping.RunArgs):
     """training steps; each samples prompts_per_step * samples_per_prompt completions"""
     prompts_per_step: int = 64
     """distinct prompts per step"""
-    samples_per_prompt: int = 1
-    """completions per prompt (PPO needs no group: the critic provides the baseline)"""
     max_new_tokens: int = 5
     """longest completion, in tokens"""
     temperature: float = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
     learning_rate: float = 5e-4
     """AdamW learning rate of the policy"""
-    critic_learning_rate: float = 5e-4
-    """AdamW learning rate of the critic"""
     weight_decay: float = 0.0
-    """AdamW weight decay (decoupled), of both models; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
+    """AdamW weight decay (decoupled), of every trained model; 0 as in TRL and OpenRLHF (verl uses 0.01)"""
     decay_norms_and_biases: bool = True
     """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer
     (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
-    """gradients of each model are clipped to this global norm"""
+    """the gradients of each trained model are clipped to this global norm"""
+    clip_low: float = 0.2
+    """the ratio is clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
+    micro_batch_size: int = 128
+    """completions per forward/backward pass; the gradient is that of the whole batch an optimizer step takes"""
+    # PPO's own: the critic, the KL penalty in the reward, GAE and the value loss.
+    critic_model: Optional[str] = None
+    """hub id or local folder the critic's backbone starts from (default: the policy's weights)"""
+    samples_per_prompt: int = 1
+    """completions per prompt (PPO needs no group: the critic provides the baseline)"""
+    critic_learning_rate: float = 5e-4
+    """AdamW learning rate of the critic"""
     update_epochs: int = 2
     """passes over each batch"""
     num_minibatches: int = 2
     """optimizer steps per epoch; must divide the batch"""
-    clip_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_low"""
-    clip_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_high"""
     kl_coef: float = 0.02
     """coefficient of the per-token KL penalty in the reward; 0 (and no target_kl) loads no reference"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -112,8 +115,6 @@ class Args(bookkeeping.RunArgs):
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over real tokens before GAE (TRL's whiten_rewards); the
     critic's values and targets, and so --cliprange-value, are then in those units"""
-    micro_batch_size: int = 128
-    """completions per forward/backward pass; the gradient is that of the whole minibatch"""
 
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
@@ -130,22 +131,14 @@ HUB_DEFAULTS = dict(
     micro_batch_size=8,
 )
 # A dump keeps these of the last update's first micro-batch (the models have moved), and every minibatch's rows.
+SCRIPT = "ppo"  # names its checkpoints, dumps and logs
 DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 
 
 def check_args(args):
-    bookkeeping.check_run_args(args)
-    bookkeeping.check_positive(
-        args,
-        "prompts_per_step",
-        "samples_per_prompt",
-        "max_new_tokens",
-        "num_steps",
-        "update_epochs",
-        "num_minibatches",
-        "micro_batch_size",
-        "kl_horizon",
-    )
+    flags.check_run_args(args)
+    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
+    flags.check_positive(args, "samples_per_prompt", "update_epochs", "num_minibatches", "kl_horizon")
     dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
     batch_size = args.prompts_per_step * args.samples_per_prompt
     per_process = batch_size // dist.world_size()
@@ -154,10 +147,10 @@ def check_args(args):
             f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions"
             f"{' per process' if dist.world_size() > 1 else ''}: pick a divisor"
         )
-    bookkeeping.check_range(args, "in [0, 1]", "gamma", "lam")
-    bookkeeping.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
-    bookkeeping.check_range(args, "in (0, 1)", "critic_learning_rate")
-    bookkeeping.check_range(args, "> 0", "cliprange_value", "adv_eps")
+    flags.check_range(args, "in [0, 1]", "gamma", "lam")
+    flags.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
+    flags.check_range(args, "in (0, 1)", "critic_learning_rate")
+    flags.check_range(args, "> 0", "cliprange_value", "adv_eps")
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon
@@ -198,11 +191,14 @@ class Critic(torch.nn.Module):
 
 def load_critic(name, device, args=None):
     """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too); with
-    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (README: LoRA)."""
+    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (docs/lora_and_memory.md)."""
     critic = Critic(models.load_backbone(name, device))
     models.load_head(critic.value_head, name, device)
     lora.wrap(critic.backbone, args, task_type=None) if args is not None else None
     return critic
+
+
+LOADERS = {"policy": models.load_causal_lm, "critic": load_critic}  # what --resume builds each checkpoint into
 
 
 def token_values(critic, input_ids, attention_mask, completion_mask):
@@ -211,9 +207,7 @@ def token_values(critic, input_ids, attention_mask, completion_mask):
     if critic is None:
         return torch.zeros(completion_mask.shape, device=completion_mask.device)
     T = completion_mask.shape[1]
-    return (
-        critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask
-    )  # the state before token t, as for log-probs
+    return critic(input_ids, attention_mask)[:, -T - 1 : -1] * completion_mask  # the state before token t, as logp's
 
 
 def kl_estimate(logp, ref_logp, kind):
@@ -232,6 +226,38 @@ def kl_estimate(logp, ref_logp, kind):
     if kind == "k3":
         return torch.exp(log_r) - 1 - log_r
     raise ValueError(f"kind must be 'k1', 'k2' or 'k3', not {kind!r}")
+
+
+def compute_rewards(batch, args, mean=common.masked_mean):
+    """The per-token reward [N, T] and the KL it penalises [N, T], from a batch of the dump's names (token_scores: the
+    task's reward on the tokens that earned it). The entry point the loop and verify.py's self-check call."""
+    mask = batch["completion_mask"]
+    has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)  # [N]
+    penalty = scoring.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
+    kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
+    rewards = -batch["kl_coef"] * kl + (batch["token_scores"] - penalty)
+    if args.whiten_rewards:  # scale only, the mean is kept (departure 6)
+        rewards = common.masked_whiten(rewards, mask, shift_mean=False, mean=mean)
+    return rewards, kl
+
+
+def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
+    """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
+    `kl`: the mean over completions of the summed k1, unbiased whatever the penalty's --kl-estimator.
+
+      error = clip(kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + error * n_completions / horizon)
+    """
+    error = min(max(kl / target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_completions / horizon)
+
+
+def next_kl_coef(batch, args, gather=lambda x: x):
+    """The KL coefficient of the next step: with --target-kl, adaptive_kl_coef fed the mean summed k1 KL of this
+    step's completions (`gather`: under torchrun, every process's), whatever the penalty's --kl-estimator."""
+    if args.target_kl is None:
+        return float(batch["kl_coef"])
+    seq_kl = gather((kl_estimate(batch["old_logp"], batch["ref_logp"], "k1") * batch["completion_mask"]).sum(1))
+    return adaptive_kl_coef(float(batch["kl_coef"]), seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -256,6 +282,14 @@ def compute_gae(rewards, values, mask, gamma, lam):
         advantages[:, t] = last_gae
     advantages = advantages * mask
     return advantages, (advantages + values) * mask
+
+
+def compute_advantages(batch, args, mean=common.masked_mean):
+    """(advantages, returns) [N, T]: GAE over the batch's values and rewards, the advantages whitened over real
+    tokens (`mean`: under torchrun, every process's). The entry point the loop and verify.py's self-check call."""
+    mask = batch["completion_mask"]
+    advantages, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, args.lam)
+    return common.masked_whiten(advantages, mask, eps=args.adv_eps, mean=mean), returns
 
 
 def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
@@ -314,36 +348,6 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
     return loss, {key: value.detach() for key, value in terms.items()}
 
 
-def compute_rewards(batch, args, mean=common.masked_mean):
-    """The per-token reward [N, T] and the KL it penalises [N, T], from a batch of the dump's names (token_scores: the
-    task's reward on the tokens that earned it). The entry point the loop and verify.py's self-check call."""
-    mask = batch["completion_mask"]
-    has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)  # [N]
-    penalty = scoring.score_at_last_token(args.missing_eos_penalty * (~has_eos).float(), mask)  # [N, T]
-    kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask  # [N, T]
-    rewards = -batch["kl_coef"] * kl + (batch["token_scores"] - penalty)
-    if args.whiten_rewards:  # scale only, the mean is kept (departure 6)
-        rewards = common.masked_whiten(rewards, mask, shift_mean=False, mean=mean)
-    return rewards, kl
-
-
-def next_kl_coef(batch, args, gather=lambda x: x):
-    """The KL coefficient of the next step: with --target-kl, adaptive_kl_coef fed the mean summed k1 KL of this
-    step's completions (`gather`: under torchrun, every process's), whatever the penalty's --kl-estimator."""
-    if args.target_kl is None:
-        return float(batch["kl_coef"])
-    seq_kl = gather((kl_estimate(batch["old_logp"], batch["ref_logp"], "k1") * batch["completion_mask"]).sum(1))
-    return adaptive_kl_coef(float(batch["kl_coef"]), seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
-
-
-def compute_advantages(batch, args, mean=common.masked_mean):
-    """(advantages, returns) [N, T]: GAE over the batch's values and rewards, the advantages whitened over real
-    tokens (`mean`: under torchrun, every process's). The entry point the loop and verify.py's self-check call."""
-    mask = batch["completion_mask"]
-    advantages, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, args.lam)
-    return common.masked_whiten(advantages, mask, eps=args.adv_eps, mean=mean), returns
-
-
 def compute_loss(outputs, batch, args):
     """ppo_loss from the models' outputs (new_logp, new_values, entropy) on a micro-batch of the dump's names
     (num_tokens: its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term
@@ -362,173 +366,102 @@ def compute_loss(outputs, batch, args):
     )
 
 
-def adaptive_kl_coef(kl_coef, kl, target_kl, n_completions, horizon):
-    """Ziegler et al. 2019's proportional controller: move kl_coef so the observed KL tracks the target.
-    `kl`: the mean over completions of the summed k1, unbiased whatever the penalty's --kl-estimator.
-
-      error = clip(kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + error * n_completions / horizon)
-    """
-    error = min(max(kl / target_kl - 1, -0.2), 0.2)
-    return kl_coef * (1 + error * n_completions / horizon)
-
-
 def main(args, flags_given=()):
-    preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
-    check_args(args)
-    models.check_model_names(args, ["model", "critic_model", "reward_model"])
-    task = load_task(args.task)
-    device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
-    dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
-    state = checkpoints.load_checkpoint(args.resume, "ppo", args, task) if args.resume else None  # checked first
-    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
-    dumps.start_dumps(args, "ppo", run_dir)
-    bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
-
-    bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process samples its own completions
-    start_time = time.time()
-    tokenizer = models.load_tokenizer(args.model, args.system_prompt)
-    policy = models.load_causal_lm(args.model, device)  # float32 master weights, autocast to dtype
-    policy = lora.wrap(policy, args)  # --lora-rank: frozen base, trained low-rank adapters (lora.py)
+    # SETUP: every flag, model name, the task, the checkpoint and the memory bound checked before anything loads.
+    run = startup.start(SCRIPT, args, HUB_DEFAULTS, flags_given, check_args, load_task)
+    task, device, dtype, run_dir = run.task, run.device, run.dtype, run.run_dir
+    tokenizer, policy = startup.load_policy(args, device)  # float32 master weights; --lora-rank: adapters
     # The critic is a separate network: sharing the policy's backbone would let value gradients move the policy.
     # With --vf-coef 0 none is loaded and every value is 0 (token_values), as a critic never trained would give.
     critic = load_critic(args.critic_model or args.model, device, args) if args.vf_coef > 0 else None
     trained = {name: model for name, model in (("policy", policy), ("critic", critic)) if model is not None}
-    for model in trained.values() if args.gradient_checkpointing else ():
-        common.set_activation_checkpointing(getattr(model, "backbone", model), True)
+    if critic is not None and args.gradient_checkpointing:  # as the policy's (startup.load_policy)
+        precision.set_activation_checkpointing(critic.backbone, True)
     # The reference only enters through the KL penalty (none: not loaded). Held like the policy (float32, the same
     # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.kl_coef > 0 or args.target_kl is not None else None
-    scorer = models.RewardModel(args.reward_model, device, dtype) if args.reward_model else task
-    models.check_vocabulary(tokenizer, task, args.model)
-    models.check_prompt_length(tokenizer, task, policy, args.model, args.max_new_tokens, args.chat_template)
-    eos_ids = models.eos_token_ids(policy, tokenizer)
+    scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
     # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
     policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
     lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
-    optimizer = torch.optim.AdamW(
-        [
-            dict(group, lr=lrs[name])
-            for name, model in trained.items()
-            for group in common.adamw_param_groups(model, args.weight_decay, args.decay_norms_and_biases)
-        ]
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
-    )
+    optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     sampler = common.PromptSampler(task.train, args.seed)
-    first_step, history, kl_coef = 1, {"score": [], "length": [], "tokens": 0}, args.kl_coef
-    if args.resume:  # the checkpoint's weights, optimizer, schedule, prompt order, RNG, history and kl_coef
-        for name, model in trained.items():  # each from its own folder of the checkpoint
-            lora.restore_weights(
-                model, os.path.join(args.resume, name), load_critic if name == "critic" else models.load_causal_lm
-            )
-        first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
-        kl_coef = state["kl_coef"]
-    writer = bookkeeping.make_writer(run_dir, args, first_step, policy=policy, critic=critic, reference=ref_model)
+    first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
+    kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef
+    writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(
-        range(first_step, args.num_steps + 1),
-        desc="ppo",
-        dynamic_ncols=True,
-        initial=first_step - 1,
-        total=args.num_steps,
-        disable=not dist.is_main(),
-    )
+    pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
-            examples = sampler.sample(args.prompts_per_step)[dist.rows(args.prompts_per_step // dist.world_size())]
-            sampled = common.rollout(
-                policy, tokenizer, scorer, examples, args.samples_per_prompt, args, device, dtype, eos_ids
+            prompts = lambda: common.sample_prompts(sampler, args)
+            sample = lambda: common.rollout(
+                policy, tokenizer, scorer, prompts(), args.samples_per_prompt, args, device, dtype, eos_ids
             )
-            b_scores, scores, b_mask = (
-                sampled["token_scores"],
-                sampled["rewards"],
-                sampled["completion_mask"],
-            )  # [N, T], [N]
+            sampled = sample()
+            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
             b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
             N = len(scores)
+            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
             micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat(
-                    [
-                        fn(model, b_input_ids[m], b_attention_mask[m], b_mask[m])  # noqa: E731
-                        for m in micro_batches
-                    ]
-                )
-                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)  # noqa: E731
+                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
+                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
                 b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
                 b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
 
+            # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
+            # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
             b_rollout = dict(
-                {key: sampled[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+                common.ids_and_masks(sampled),
                 scores=scores,
-                token_scores=b_scores,
+                token_scores=sampled["token_scores"],
                 values=b_values,
                 old_logp=b_old_logp,
                 ref_logp=b_ref_logp,
                 eos_ids=torch.tensor(eos_ids, device=device),
                 kl_coef=torch.tensor(kl_coef),
             )
-            # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
-            # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
             b_rewards, kl = compute_rewards(b_rollout, args, mean=dist.masked_mean)  # [N, T] each
             b_advantages, b_returns = compute_advantages(
                 dict(b_rollout, rewards=b_rewards), args, mean=dist.masked_mean
             )
             b_rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
-        # OPTIMIZE: update_epochs passes over the batch, num_minibatches optimizer steps per pass.
+        # OPTIMIZE: update_epochs passes over the batch in a fresh order, num_minibatches optimizer steps per pass.
         with timer("train"):
             for model in trained.values():
                 model.train()
-            minibatch_size = N // args.num_minibatches
+            minibatches = (
+                mb
+                for epoch in range(args.update_epochs)
+                for mb in torch.randperm(N, device=device).split(N // args.num_minibatches)
+            )
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
-            for epoch in range(args.update_epochs):
-                b_inds = torch.randperm(N, device=device)
-                for start in range(0, N, minibatch_size):
-                    mb_inds = b_inds[start : start + minibatch_size]
-                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes
-                    optimizer.zero_grad(set_to_none=True)
-                    updates.append([])
-                    for micro_start in range(0, minibatch_size, args.micro_batch_size):
-                        micro = mb_inds[micro_start : micro_start + args.micro_batch_size]
-                        with common.autocast(device, dtype):
-                            new_logp, entropy = common.token_logprobs(
-                                policy,
-                                b_input_ids[micro],
-                                b_attention_mask[micro],
-                                b_mask[micro],
-                                args.temperature,
-                                return_entropy=True,
-                                entropy_grad=args.ent_coef > 0,
-                            )  # [n, T]; the entropy a constant (for the logs) unless it is in the loss
-                            new_values = token_values(
-                                critic, b_input_ids[micro], b_attention_mask[micro], b_mask[micro]
-                            )
-                        micro_batch = {
-                            k: b_rollout[k][micro]
-                            for k in ("old_logp", "advantages", "values", "returns", "completion_mask")
-                        }
-                        outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
-                        loss, terms = compute_loss(outputs, dict(micro_batch, num_tokens=mb_tokens), args)
-                        loss.backward()
-                        updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
-                    grad_norm, *critic_grad_norm = [
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        for model in trained.values()
-                    ]  # each model's own, policy first
-                    dump = dumps.batch_dump(
-                        b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates]
-                    )
-                    dumps.stop_if_not_finite(
-                        step, run_dir, dump, b_rewards, updates[-1], grad_norm + sum(critic_grad_norm)
-                    )
-                    optimizer.step()
+            for mb_inds in minibatches:
+                mb_batch = dict(b_rollout, num_tokens=dist.sum(int(b_mask[mb_inds].sum())))  # the minibatch's tokens
+                optimizer.zero_grad(set_to_none=True)
+                updates.append([])
+                for micro in mb_inds.split(args.micro_batch_size):
+                    with common.autocast(device, dtype):
+                        new_logp, entropy = common.token_logprobs(
+                            policy, *rows(micro), args.temperature, return_entropy=True, entropy_grad=args.ent_coef > 0
+                        )  # [n, T]; the entropy is a constant (logged) unless it is in the loss
+                        new_values = token_values(critic, *rows(micro))  # [n, T]
+                    outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
+                    loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
+                    loss.backward()
+                    updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
+                grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own
+                dump = dumps.batch_dump(
+                    b_rollout, updates[-1][:1], DUMPED, minibatches=[u[0]["minibatch_index"] for u in updates]
+                )
+                dumps.stop_if_not_finite(step, run_dir, dump, b_rewards, updates[-1], sum(grad_norms.values()))
+                optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
@@ -544,16 +477,14 @@ def main(args, flags_given=()):
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "charts/kl_coef": kl_coef,
             "losses/explained_variance": common.explained_variance(b_values, b_returns, b_mask, dist.masked_mean),
-            "losses/grad_norm": dist.local(grad_norm),
+            "losses/grad_norm": dist.local(grad_norms["policy"]),
         }
         if ref_model is not None:
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            with common.autocast(device, dtype), dist.full_weights(policy):
-                scalars.update(
-                    common.evaluate(policy, tokenizer, task, args.max_new_tokens, eos_ids, args.chat_template)
-                )
-        bookkeeping.log_step(writer, step, scalars, updates, args, timer, history["tokens"], device)
+            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
+        losses = common.logged_losses(updates, args)
+        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
@@ -561,7 +492,7 @@ def main(args, flags_given=()):
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(
                 checkpoint_dir,
-                "ppo",
+                SCRIPT,
                 args,
                 trained,
                 tokenizer,
@@ -573,7 +504,7 @@ def main(args, flags_given=()):
                 kl_coef=kl_coef,
             )
         if stop.name:
-            stop.exit(step, writer, "ppo")
+            stop.exit(step, writer, SCRIPT)
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
@@ -581,9 +512,9 @@ def main(args, flags_given=()):
     if critic is not None:
         checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()
-    bookkeeping.print_summary("ppo", history, time.time() - start_time, device, final_dir)
+    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
     return history["score"]
 
 
 if __name__ == "__main__":
-    bookkeeping.run_main(lambda: main(*bookkeeping.parse_args(Args, HUB_DEFAULTS)))
+    bookkeeping.run_main(lambda: main(*flags.parse_args(Args, HUB_DEFAULTS)))

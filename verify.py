@@ -53,7 +53,7 @@ raises NotImplementedError(reason), is skipped). `args` is the run's Args as a d
 (common.entry_batch): never what it is compared with (group_advantages and gae get no advantages or returns,
 rewards no rewards, the losses no per_token_loss or loss); the loss functions also get num_seqs and num_tokens,
 the loss's denominators, and per_token_loss, loss and kl the models' stored outputs (new_logp; PPO: new_values,
-entropy); token_logprobs gets the ids and masks alone. See adapters/self.py for this project's own.
+entropy); token_logprobs gets the ids and masks alone. See verifier/adapters/self.py for this project's own.
 
   group_advantages(batch, args) -> [N] or [N, T]     gae(batch, args) -> (advantages, returns), [N, T] each
   rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)

@@ -1,8 +1,8 @@
-"""The README's lesson section: the rows of the PPO-GRPO comparison, each measured by runs of the two scripts.
+"""docs/lesson.md: the rows of the PPO-GRPO comparison, each measured by runs of the two scripts.
 
     python benchmarks/lesson.py                  # runs it all (3 seeds each), draws docs/lesson/*.png, rewrites
-                                                 # the README section between its two markers
-    python benchmarks/lesson.py --loaded         # the same, saying in the README that other jobs shared the CPU
+                                                 # the part of docs/lesson.md between its two markers
+    python benchmarks/lesson.py --loaded         # the same, saying on the page that other jobs shared the CPU
 
 15 training runs (9 of PPO, 120 steps; 6 of GRPO, 200 steps) and 2 one-step memory runs: about 20 minutes
 alone on 2 cores, estimated from the default runs' seconds per step (PPO 0.5, GRPO 0.2); runs already
@@ -204,7 +204,7 @@ def memory_rows(runs_dir):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Figures (matplotlib) and the README section.
+# Figures (matplotlib) and the page's generated part.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -328,12 +328,12 @@ def write_section(runs_dir, elapsed, loaded):
         for seed in SEEDS:
             if finished(run_dir(runs_dir, name, seed)):  # a run stopped halfway is left out
                 runs[name, seed] = scalars(run_dir(runs_dir, name, seed))
-    lines = [BEGIN, "## The lesson, measured: PPO next to GRPO", ""]
+    lines = [BEGIN, "# The lesson, measured: PPO next to GRPO", ""]
     took = f", {elapsed / 60:.0f} minutes in all" if elapsed else ""
     lines += [
         f"`python benchmarks/lesson.py` (CPU, the built-in tiny model, seeds {', '.join(map(str, SEEDS))}, "
-        f"by default two runs at a time (--jobs), one thread each{took}) makes this section: the table, "
-        "and the figures in `docs/lesson/`.",
+        f"by default two runs at a time (--jobs), one thread each{took}) makes this page down to its end marker: the "
+        "tables, and the figures in `docs/lesson/`.",
         "Wall times are rollout + update seconds, start-up excluded"
         + (
             ", measured while other jobs shared the 2 cores: compare them with each other, not with a machine "
@@ -342,7 +342,7 @@ def write_section(runs_dir, elapsed, loaded):
             else "."
         ),
         "",
-        "### Fits best with: a dense task and an outcome task",
+        "## Fits best with: a dense task and an outcome task",
         "",
         "`copy:4:dense`: each character is paid, on the token that writes it, what it changes of the copy score "
         "(R(y<=t) - R(y<t): 1 / 4 for a right one among the 4 digits, a negative amount for one past them). PPO "
@@ -370,12 +370,12 @@ def write_section(runs_dir, elapsed, loaded):
                 f"| {cell([g['final'] for g in got], lambda v: f'{v:.3f}')} "
                 f"| {steps} x {completions_per_step(name)} |"
             )
-    lines += ["", "![score against completions sampled](docs/lesson/fits.png)", ""]
+    lines += ["", "![score against completions sampled](lesson/fits.png)", ""]
 
     example = credit_example(runs_dir)
     prompt, completion, reward, tokens, result = example
     lines += [
-        "### Credit assignment: per token (PPO) and per completion (GRPO)",
+        "## Credit assignment: per token (PPO) and per completion (GRPO)",
         "",
         f"One completion from GRPO's seed-1 run on `copy:4:dense` at step {DUMP_STEP}: prompt `{prompt}`, completion "
         f"`{completion}`, reward {reward:.2f}. GRPO gives every token the same advantage, the reward minus its "
@@ -386,10 +386,10 @@ def write_section(runs_dir, elapsed, loaded):
     lines += ["| token | " + " | ".join(f"`{t}`" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
     for label, values in result.items():
         lines.append(f"| {label} | " + " | ".join(f"{v:+.3f}" for v in values.tolist()) + " |")
-    lines += ["", "![per-token advantages of one completion](docs/lesson/credit.png)", ""]
+    lines += ["", "![per-token advantages of one completion](lesson/credit.png)", ""]
 
     lines += [
-        "### Baseline: a learned critic against the group mean",
+        "## Baseline: a learned critic against the group mean",
         "",
         "`losses/explained_variance`: 1 - Var(target - baseline) / Var(target). PPO: returns against the "
         "critic's values, over real tokens; GRPO: rewards against their group's mean (the completion itself "
@@ -407,10 +407,10 @@ def write_section(runs_dir, elapsed, loaded):
                     v = runs[name, seed]["losses/explained_variance"]
                     ev.append(sum(v[-max(1, len(v) // 10) :]) / max(1, len(v) // 10))
             lines.append(f"| `{task}` | {RUNS[name][3]} | {cell(ev, lambda v: f'{v:.2f}')} |")
-    lines += ["", "![explained variance over training](docs/lesson/baseline.png)", ""]
+    lines += ["", "![explained variance over training](lesson/baseline.png)", ""]
 
     lines += [
-        "### Models in memory",
+        "## Models in memory",
         "",
         "Each script for one step of 8 completions (8 new tokens, one micro-batch) on the same random-init "
         "Qwen2 of 25M parameters (hidden 512, 8 layers, byte-level tokenizer, hub defaults), each in a process "
@@ -433,23 +433,23 @@ def write_section(runs_dir, elapsed, loaded):
     except ImportError:
         print(
             "matplotlib is missing (pip install -r requirements/extra.txt): the figures in docs/lesson/ were NOT "
-            "drawn; the README section links to whatever is there."
+            "drawn; docs/lesson.md links to whatever is there."
         )
     else:
         os.makedirs(DOCS, exist_ok=True)
         curves(plt, runs, "charts/score", "score (10-step mean)", "fits.png", thresholds=True)
         curves(plt, runs, "losses/explained_variance", "explained variance (10-step mean)", "baseline.png")
         credit_figure(plt, example)
-    readme = os.path.join(REPO, "README.md")
-    with open(readme) as f:
+    page = os.path.join(REPO, "docs", "lesson.md")
+    with open(page) as f:
         text = f.read()
-    wrap = lambda line: line if line[:1] in ("|", "!", "<", "#") else textwrap.fill(line, 110, break_long_words=False)  # noqa: E731
+    wrap = lambda line: line if line[:1] in ("|", "!", "<", "#") else textwrap.fill(line, 110, break_long_words=False)
     section = "\n".join(map(wrap, lines))
     if BEGIN in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
     else:
-        text = text.replace("\n## Every flag", "\n" + section + "\n\n## Every flag", 1)
-    with open(readme, "w") as f:
+        text = section + "\n\n" + text  # the markers lost: the generated part goes first again
+    with open(page, "w") as f:
         f.write(text)
     print(section)
 
@@ -459,7 +459,7 @@ def main():
     parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs", "lesson"))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each with 2 // jobs threads)")
     parser.add_argument("--tabulate", action="store_true", help="only read the runs already made")
-    parser.add_argument("--loaded", action="store_true", help="say in the README that other jobs shared the CPU")
+    parser.add_argument("--loaded", action="store_true", help="say on the page that other jobs shared the CPU")
     a = parser.parse_args()
     start = time.time()
     if not a.tabulate:

@@ -84,7 +84,7 @@ def measure(design, model_name, rank, batch, tokens):
     policy_on()
     loss = -logp.mean() + ((values - 1.0) ** 2).mean()
     loss.backward()
-    grads = lambda names: {n: p.grad.clone() for n, p in names if p.grad is not None}  # noqa: E731
+    grads = lambda names: {n: p.grad.clone() for n, p in names if p.grad is not None}
     policy_grads = grads((n, p) for n, p in policy.named_parameters() if "lora_" in n and ".critic." not in n)
     critic_grads = grads(
         (n, p)
@@ -94,7 +94,7 @@ def measure(design, model_name, rank, batch, tokens):
     everything = {id(p): p for m in (policy, critic.backbone, critic.value_head) for p in m.parameters()}.values()
     frozen = sum(p.numel() * p.element_size() for p in everything if not p.requires_grad)
     trained = sum(p.numel() * p.element_size() for p in everything if p.requires_grad)
-    norm = lambda g: float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())))  # noqa: E731
+    norm = lambda g: float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())))
     return dict(
         design=design,
         frozen_bytes=frozen,

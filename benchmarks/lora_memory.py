@@ -24,7 +24,7 @@ def measure(model_name, rank, batch, tokens, new_tokens):
     import common
     from machinery import lora, models
 
-    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     args = types.SimpleNamespace(
         model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0, lora_target_modules=("all-linear",)
     )

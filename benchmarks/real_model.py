@@ -382,6 +382,37 @@ def plot(out, path):
     print(f"figure: {path}")
 
 
+def against_trl(model_dir, steps, work, seed=1):
+    """grpo.py and TRL's GRPOTrainer at the same settings, float32 and then grpo.py's default dtype (TRL bf16=True
+    where that is bfloat16): s/step after step 1."""
+    import torch
+
+    from machinery import precision
+
+    default, _ = precision.choose_dtype("auto", "cpu", precision.native_bf16(torch.device("cpu")), model_dir)
+    rows = []
+    for dtype in ("float32", "auto"):
+        _, scalars, _, _ = run_ours("grpo", model_dir, seed, steps, os.path.join(work, f"ours-{dtype}"), dtype)
+        ours = summarise_ours(scalars)
+        bf16 = dtype == "auto" and default == torch.bfloat16
+        _, trl, _ = run_trl(model_dir, seed, steps, os.path.join(work, f"trl-{dtype}"), bf16=bf16)
+        name = f"{dtype} ({str(default).removeprefix('torch.')} here)" if dtype == "auto" else dtype
+        rows.append((name, bf16, ours["s_per_step"], trl["s_per_step"]))
+        print(
+            f"  {name}: grpo.py {ours['s_per_step']:.1f} s/step, TRL {trl['s_per_step']:.1f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        "\n| grpo.py --dtype | TRL bf16 | grpo.py s/step | TRL GRPOTrainer s/step | grpo.py / TRL |\n"
+        "|---|---|---|---|---|"
+    )
+    for name, bf16, ours, trl in rows:
+        print(f"| {name} | {bf16} | {ours:.1f} | {trl:.1f} | {ours / trl:.2f} |")
+    print(f"grpo.py's default dtype against float32: {rows[1][2] / rows[0][2]:.2f}x (steps 2-{steps} of each run)")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -420,9 +451,9 @@ def main():
         from machinery import models
 
         settings = dict(GRPO_FLAGS, max_new_tokens=MAX_NEW_TOKENS)
-        return step_speed.main(
-            models.resolve_model_path(args.gguf), TASK, settings, args.out, args.repeats, args.steps or 4, args.quick
-        )
+        model_dir = models.resolve_model_path(args.gguf)
+        step_speed.main(model_dir, TASK, settings, args.repeats, args.quick)
+        return against_trl(model_dir, args.steps or 4, args.out)
     if len(runs) == 1 and len(seeds) == 1:
         return one_run(runs[0], seeds[0], args)
     for name in runs:  # each run in its own process, so its peak memory is its own

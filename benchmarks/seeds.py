@@ -1,4 +1,4 @@
-"""The README's seed table: the default run of grpo.py or ppo.py over several seeds, one row per seed.
+"""The seed table of docs/benchmarks.md: the default run of grpo.py or ppo.py over several seeds, one row per seed.
 
     python benchmarks/seeds.py grpo --seeds 1-10 --jobs 2            # runs them, then prints the table
     python benchmarks/seeds.py ppo --runs-dir runs/seeds             # only tabulates runs already made

@@ -217,45 +217,12 @@ def print_phase_table(results, peaks):
     )
 
 
-def against_trl(model_dir, steps, work, seed=1):
-    """grpo.py and TRL's GRPOTrainer at the same settings, float32 and then grpo.py's default dtype (TRL bf16=True
-    where that is bfloat16): s/step after step 1."""
-    import real_model
-
-    from machinery import precision
-
-    default, _ = precision.choose_dtype("auto", "cpu", precision.native_bf16(CPU), model_dir)
-    rows = []
-    for dtype in ("float32", "auto"):
-        _, scalars, _, _ = real_model.run_ours(
-            "grpo", model_dir, seed, steps, os.path.join(work, f"ours-{dtype}"), dtype
-        )
-        ours = real_model.summarise_ours(scalars)
-        bf16 = dtype == "auto" and default == torch.bfloat16
-        _, trl, _ = real_model.run_trl(model_dir, seed, steps, os.path.join(work, f"trl-{dtype}"), bf16=bf16)
-        name = f"{dtype} ({str(default).removeprefix('torch.')} here)" if dtype == "auto" else dtype
-        rows.append((name, bf16, ours["s_per_step"], trl["s_per_step"]))
-        print(
-            f"  {name}: grpo.py {ours['s_per_step']:.1f} s/step, TRL {trl['s_per_step']:.1f}",
-            file=sys.stderr,
-            flush=True,
-        )
-    print(
-        "\n| grpo.py --dtype | TRL bf16 | grpo.py s/step | TRL GRPOTrainer s/step | grpo.py / TRL |\n"
-        "|---|---|---|---|---|"
-    )
-    for name, bf16, ours, trl in rows:
-        print(f"| {name} | {bf16} | {ours:.1f} | {trl:.1f} | {ours / trl:.2f} |")
-    print(f"grpo.py's default dtype against float32: {rows[1][2] / rows[0][2]:.2f}x (steps 2-{steps} of each run)")
-    return rows
-
-
-def main(model_dir, task_name, settings, work, repeats=2, steps=4, quick=False):
+def main(model_dir, task_name, settings, repeats=2, quick=False):
+    """The phase table; benchmarks/real_model.py --run speed then runs grpo.py against TRL (against_trl)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     peaks = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
     print("matmul peak of one thread: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()), flush=True)
     variants = QUICK if quick else tuple(VARIANTS)
     print_phase_table(phase_table(model_dir, task_name, settings, repeats, variants=variants), peaks)
-    against_trl(model_dir, steps, work)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -8,7 +8,7 @@ bytes per trained parameter apply to them alone; the frozen base costs its 4 byt
   - The reference is the policy with its adapters switched off (Reference): the frozen base itself, no second
     copy of the weights. At step 1 (B = 0) both compute the same log-probs, so the KL is exactly 0; the base
     never trains, so the reference never moves.
-  - PPO's critic gets its own adapters on its own frozen copy of the base (README, LoRA: why not the policy's).
+  - PPO's critic gets its own adapters on its own frozen copy of the base (why: docs/lora_and_memory.md).
   - A model's save_pretrained then writes its adapters alone, in peft's format, so every save (checkpoints, the
     final model, the critic's backbone) goes on as it is: `PeftModel.from_pretrained(base, folder)` loads them.
     --lora-merged also writes the policy with B A added into W, a plain transformers model (save_merged).
@@ -64,7 +64,7 @@ def check_args(args):
         raise UsageError(
             "--lora-rank under torchrun is not supported: the reference (the policy with its adapters off) and the "
             "adapter-only checkpoints are not wired to FSDP2's shards; run LoRA on one process (one GPU holds "
-            "a 7B policy with LoRA, README: LoRA)"
+            "a 7B policy with LoRA, docs/lora_and_memory.md)"
         )
     import_peft()
 

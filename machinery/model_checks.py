@@ -85,30 +85,6 @@ def check_chat_template(tokenizer, name, chat_template):
         )
 
 
-def check_same_vocabulary(model, critic):
-    """A --critic-model whose vocabulary is not the policy's: its embeddings would read other tokens, or none."""
-    from transformers import AutoConfig
-
-    from machinery import models
-
-    vocabulary = models.load_tokenizer(model).get_vocab()
-    path = models.resolve_model_path(critic)
-    has_tokenizer = not os.path.isdir(path) or any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    )
-    if has_tokenizer and models.load_tokenizer(critic).get_vocab() != vocabulary:
-        raise UsageError(
-            f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
-            "pick a critic of the same model family (same tokenizer)"
-        )
-    size = models._from_pretrained(AutoConfig, path).get_text_config().vocab_size
-    if size < len(vocabulary):
-        raise UsageError(
-            f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
-            f"--model {model!r}'s tokenizer: pick a critic of the same model family"
-        )
-
-
 def machine_memory(device):
     """Bytes of memory a step can use at most: the GPU's total on CUDA, the machine's RAM on CPU."""
     if device.type == "cuda":

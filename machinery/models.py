@@ -103,22 +103,7 @@ def resolve_model_path(name, flag="--model"):
     return name
 
 
-def check_model_names(args, fields):
-    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
-    --critic-model whose vocabulary is not the policy's, and a step that cannot fit in this machine's memory."""
-    from transformers import AutoConfig
-
-    for field in fields:
-        if getattr(args, field) is not None:  # tiny too: built before torchrun's processes join (dist.init)
-            resolve_model_path(getattr(args, field), "--" + field.replace("_", "-"))
-    if getattr(args, "critic_model", None) not in (None, args.model):
-        model_checks.check_same_vocabulary(args.model, args.critic_model)
-    config = _from_pretrained(AutoConfig, resolve_model_path(args.model))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
-    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)))
-
-
-def _from_pretrained(loader, name, **kwargs):
+def from_pretrained(loader, name, **kwargs):
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
@@ -152,7 +137,7 @@ def load_tokenizer(name, system_prompt=None):
     # AutoTokenizer rebuilds the tokenizer of a qwen2 model as Qwen's byte-level BPE from the vocabulary alone,
     # ignoring tokenizer.json: the tiny model's would silently drop spaces and unknown characters.
     loader = PreTrainedTokenizerFast if saved_as_generic_tokenizer(path) else AutoTokenizer
-    tokenizer = _from_pretrained(loader, path)
+    tokenizer = from_pretrained(loader, path)
     tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UsageError(
@@ -193,11 +178,11 @@ def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
 
     quiet_transformers()
     path = resolve_model_path(name)
-    config = _from_pretrained(AutoConfig, path, **kwargs)
+    config = from_pretrained(AutoConfig, path, **kwargs)
     for key, value in vars(config).items():
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
-    model = _from_pretrained(loader, path, config=config, dtype=dtype)
+    model = from_pretrained(loader, path, config=config, dtype=dtype)
     for module in model.modules():  # heads whose dropout no config key sets (classifier_dropout None means 0.1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -211,7 +196,7 @@ def load_causal_lm(name, device, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = _from_pretrained(AutoConfig, resolve_model_path(name))
+    config = from_pretrained(AutoConfig, resolve_model_path(name))
     if config.is_encoder_decoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(
             f"{name!r} is a {config.model_type} model, not a decoder-only causal LM: pass one with --model"
@@ -228,7 +213,17 @@ def load_causal_lm(name, device, dtype=torch.float32):
             "use another architecture"
         )
     model_checks.check_causal_and_finite(model, name)
+    # The head reads a contiguous copy of the hidden states. With logits_to_keep they are a strided view, on which
+    # torch's matmul takes one kernel for a trainable weight (no fold, to spare the gradient a copy) and another for
+    # a frozen one; MKL's AVX-512 kernels round the two differently, so the policy, its frozen reference and a
+    # fresh copy of the base would not compute the same bits (step 1's KL would not be 0). Contiguous: one kernel.
+    model.get_output_embeddings().register_forward_pre_hook(contiguous_input)
     return model
+
+
+def contiguous_input(module, args):
+    """A forward pre-hook: the module's first input made contiguous (values unchanged)."""
+    return (args[0].contiguous(), *args[1:])
 
 
 def load_backbone(name, device):
@@ -251,7 +246,7 @@ def save_backbone_and_head(backbone, state_dict, folder):
     """A critic's weights (its state dict): the backbone as a transformers folder, the value head beside it."""
     from safetensors.torch import save_file
 
-    part = lambda name: {k.split(".", 1)[1]: v.contiguous() for k, v in state_dict.items() if k.startswith(f"{name}.")}  # noqa: E731
+    part = lambda name: {k.split(".", 1)[1]: v.contiguous() for k, v in state_dict.items() if k.startswith(f"{name}.")}
     backbone.save_pretrained(folder, state_dict=part("backbone"))
     save_file(part("value_head"), os.path.join(folder, HEAD_FILE))
 

@@ -7,6 +7,8 @@ GRPO step of SmolLM2-135M takes 0.68x the float32 time (benchmarks/step_speed.py
 slower than float32, so `auto` asks the hardware first.
 """
 
+import contextlib
+
 import torch
 
 from machinery import distributed as dist
@@ -39,7 +41,7 @@ def choose_dtype(name, device_type, native, model_name):
     """(dtype, reason) for --dtype `name` on a `device_type` device whose native bf16 is `native` (native_bf16).
 
     auto: bfloat16 where the hardware multiplies it natively, a GPU or a CPU with AVX-512 BF16 or AMX (learning
-    measured unchanged on a real model, README: a step against this CPU's limit), float32 elsewhere, and for the
+    measured unchanged on a real model: docs/real_model.md), float32 elsewhere, and for the
     built-in tiny model on a CPU. float16 is refused: without loss scaling, gradients below ~6e-8 underflow to 0.
     """
     if name == "float16":
@@ -65,3 +67,65 @@ def resolve_dtype(name, device, model_name=None):
     if dist.is_main():
         print(f"dtype: {str(dtype).removeprefix('torch.')} ({reason})")
     return dtype
+
+
+def activation_checkpointing(model):
+    """Whether the model recomputes its activations in the backward pass (transformers 5 renamed the flag)."""
+    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, f)), None)
+    return bool(flag and getattr(model, flag))
+
+
+def set_activation_checkpointing(model, on):
+    """Recompute activations in the backward pass (non-reentrant), or stop; transformers 5 renamed the methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False}
+        ) if on else model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
+
+
+@contextlib.contextmanager
+def decoding_attention(model, prompt_ids, new_tokens):
+    """generate() attends by plain matmuls ("eager") instead of torch's fused kernel (SDPA) where that is faster:
+    on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
+    (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
+    under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
+    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
+    config = getattr(model, "config", None)
+    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
+    plain = (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and hasattr(model, "set_attn_implementation")
+        and prompt_ids.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
+    )
+    if plain:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if plain:
+            model.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def generation_mode(model):
+    """Eval mode, and activation checkpointing off: it forces use_cache=False, making decoding quadratic."""
+    was_training, was_checkpointing = model.training, activation_checkpointing(model)
+    if was_checkpointing:
+        set_activation_checkpointing(model, False)
+    model.eval()
+    try:
+        yield
+    finally:
+        if was_checkpointing:
+            set_activation_checkpointing(model, True)
+        model.train(was_training)

@@ -98,7 +98,7 @@ def check_causal(scorer, prompt, completion, answer, ends, pieces, paid):
     except UsageError as e:
         raise UsageError(
             f"on a prefix of completion {shorten(completion)} (checking that the dense reward is "
-            f"causal, see README, Reward functions): {e}"
+            f"causal, see docs/tasks.md, Reward functions): {e}"
         ) from None
     for k, total in enumerate(totals):
         total = sum(v[2] if isinstance(v, tuple) else v for v in total) if isinstance(total, list) else total

@@ -1,4 +1,9 @@
-"""Shared fixtures: a private model cache, the built-in tiny model, and a small random model with sharp logits."""
+"""Shared fixtures: a private model cache, the built-in tiny model, and a small random model with sharp logits.
+
+Tests marked `exact` make a bit-for-bit claim (a seed reproduces, a resume is the uninterrupted run, the reference is
+the base model, step 1's KL is 0). docs/testing.md lists them, the CPU kernel paths they were checked on, and how
+to run the suite on another path (MKL_CBWR=COMPATIBLE, MKL_ENABLE_INSTRUCTIONS=AVX2, ...).
+"""
 
 import os
 
@@ -39,7 +44,7 @@ def float32_on_every_cpu():
 
     with pytest.MonkeyPatch.context() as patch:
         real = precision.native_bf16
-        pinned = lambda device: None if device.type == "cpu" else real(device)  # noqa: E731
+        pinned = lambda device: None if device.type == "cpu" else real(device)
         pinned.__wrapped__ = real  # for the tests of the probe itself
         patch.setattr(precision, "native_bf16", pinned)
         yield

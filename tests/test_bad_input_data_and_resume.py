@@ -1,5 +1,5 @@
-"""Bad input, round two: data is read as users write it (principle 4), and resume never loses a run or trains on
-something else (principle 7). docs/bad_input.md lists each case with its one line.
+"""Bad input: data is read as users write it (principle 4), and resume never loses a run or trains on something
+else (principle 7). docs/bad_input.md lists each case with its one line, in the sections named for the two principles.
 
 The checks are called directly (a few seconds in all); two cases run the script as a user would.
 """
@@ -502,7 +502,7 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
         ),
     ],
 )
-def test_the_script_says_one_line(tmp_path, xdg_cache, flags, expected):
+def test_the_script_says_one_line(tmp_path, xdg_cache, tiny_model, flags, expected):  # tiny_model: built already
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     flags = flags.format(deep=deep).split()

@@ -1,5 +1,5 @@
-"""Bad input, third round (docs/bad_input.md, "Round three"), principles 4 to 8: GGUF files, resumes that would
-destroy a later result (and old checkpoints after a new flag), messages naming the real cause, and process-level
+"""Bad input, principles 4 to 8 of this file (docs/bad_input.md, one section a principle): GGUF files, resumes that
+would destroy a later result (and old checkpoints after a new flag), messages naming the real cause, and process-level
 cases (seed + rank, two resumes at once; SIGHUP is in test_faults.py, where it saves a checkpoint that resumes).
 """
 
@@ -17,7 +17,7 @@ import torch
 from test_bad_input_numbers_sizes_models import small_args
 
 import grpo
-from machinery import bookkeeping, checkpoints, dumps, gguf_convert, models
+from machinery import checkpoints, dumps, flags, gguf_convert, models
 from machinery.errors import UsageError
 from tasks import check_dense
 from tasks import user as user_tasks
@@ -303,12 +303,12 @@ def test_principle6_float_spans_are_named_as_such():
 
 
 def test_principle8_seed_plus_rank_stays_below_2_to_the_32(tmp_path, monkeypatch):
-    bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))  # one process: its own seed
+    flags.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))  # one process: its own seed
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(
         UsageError, match=r"--seed is 4294967295: it must be in \[0, 4294967294\] \(each of the 2 processes seeds"
     ):
-        bookkeeping.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))
+        flags.check_run_args(small_args(grpo, tmp_path, seed=2**32 - 1))
 
 
 def test_principle8_two_resumes_of_one_checkpoint_at_once(three_steps, monkeypatch):

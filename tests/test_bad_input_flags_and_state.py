@@ -18,7 +18,7 @@ import torch
 
 import grpo
 import ppo
-from machinery import bookkeeping, checkpoints, dumps, models
+from machinery import bookkeeping, checkpoints, dumps, models, startup
 from machinery.errors import UsageError
 from tasks import Task
 from tasks import user as user_tasks
@@ -323,12 +323,12 @@ def test_principle5_a_critic_with_another_vocabulary(tmp_path, tiny_tokenizer):
     )
     critic = save_from_config(tmp_path / "critic", config, Qwen2ForCausalLM, other)
     with pytest.raises(UsageError, match=r"--critic-model .* has another vocabulary than --model 'tiny'"):
-        models.check_model_names(ppo.Args(critic_model=critic), ["model", "critic_model"])
+        startup.check_model_names(ppo.Args(critic_model=critic))
     small = save_from_config(
         tmp_path / "small", Qwen2Config(**{**config.to_dict(), "vocab_size": 10}), Qwen2ForCausalLM
     )
     with pytest.raises(UsageError, match=r"embeds 10 tokens, fewer than the 25 of --model 'tiny'"):
-        models.check_model_names(ppo.Args(critic_model=small), ["model", "critic_model"])
+        startup.check_model_names(ppo.Args(critic_model=small))
 
 
 # ---------------------------------------------------------------------------------------------------

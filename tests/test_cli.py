@@ -7,7 +7,7 @@ import pytest
 
 import grpo
 import ppo
-from machinery import bookkeeping, errors, models
+from machinery import errors, flags, models
 
 
 @pytest.mark.parametrize(
@@ -36,13 +36,11 @@ def test_hub_defaults_replace_only_the_fields_left_at_their_default(module, monk
     Python or on the command line (even one equal to the tiny default)."""
     assert all(getattr(module.Args(), key) is not None for key in module.HUB_DEFAULTS)  # defaults in sight
     args = module.Args(model="org/model", learning_rate=1e-3)
-    assert bookkeeping.apply_hub_defaults(args, module.HUB_DEFAULTS) == "hub"
+    assert flags.apply_hub_defaults(args, module.HUB_DEFAULTS) == "hub"
     assert args.learning_rate == 1e-3 and args.max_new_tokens == module.HUB_DEFAULTS["max_new_tokens"]
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", "--model", "org/model", "--micro-batch-size=128"])
-    args, given = bookkeeping.parse_args(module.Args, module.HUB_DEFAULTS)
-    bookkeeping.apply_hub_defaults(args, module.HUB_DEFAULTS, given)
+    args, given = flags.parse_args(module.Args, module.HUB_DEFAULTS)
+    flags.apply_hub_defaults(args, module.HUB_DEFAULTS, given)
     assert args.micro_batch_size == 128 and args.num_steps == module.HUB_DEFAULTS["num_steps"]
     tiny = module.Args(learning_rate=1e-3)
-    assert (
-        bookkeeping.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps
-    )
+    assert flags.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps

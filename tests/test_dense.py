@@ -50,13 +50,15 @@ def score(tokenizer, reward_fn, completions, **kw):
     return scoring.score_tokens(task_of(reward_fn), tokenizer, ["p="] * n, completions, ["a"] * n, ids, mask), mask
 
 
+@pytest.mark.exact
 def test_spans_land_on_the_token_that_writes_their_last_character(tiny_tokenizer):
-    spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]  # noqa: E731
+    spans = lambda p, c, a: [s for s in [(0, 1, 0.5), (1, 3, 2.0), (4, 5, -1.0)] if s[1] <= len(c)]
     placed, mask = score(tiny_tokenizer, spans, ["12345", "98765"])  # one character a token, then EOS
     expected = torch.tensor([0.5, 0.0, 2.0, 0.0, -1.0, 0.0])  # chars 1-2 end at token 2; token 5 is the EOS
     assert torch.equal(placed, torch.stack([expected, expected]))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("pad_left", [0, 3])
 def test_per_token_values_and_outcomes_follow_the_real_tokens(tiny_tokenizer, pad_left):
     def reward(prompt, completion, answer):
@@ -72,6 +74,7 @@ def test_per_token_values_and_outcomes_follow_the_real_tokens(tiny_tokenizer, pa
     assert torch.equal(placed * (1 - mask), torch.zeros_like(placed))  # nothing on padding
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("pad_left", [0, 2])
 def test_a_character_split_across_tokens_is_credited_to_the_token_that_completes_it(pad_left):
     tokenizer = byte_tokenizer()
@@ -103,33 +106,86 @@ def share_of_the_longer(prompt, completion, answer):
 
 
 def test_a_dense_reward_that_is_not_causal_gets_one_line(tiny_tokenizer):
-    """ "12345" for answer "1234": the 5 lowers what each right character was paid (0.25 to 0.2)."""
-    ids, mask = batch(tiny_tokenizer, ["12345", "12"])
+    """ "12345" for answer "1234": the 5 lowers what each right character was paid (0.25 to 0.2). The check runs on
+    the longest completion, here neither the first nor the last row ("12" and "1" are paid causally)."""
+    completions = ["12", "12345", "1"]
+    ids, mask = batch(tiny_tokenizer, completions)
     with pytest.raises(
         UsageError,
         match=r"is not causal: on prompt '1234=', the first 1 token\(s\) of completion "
         r"'12345' were paid 0.2 in all, but it gives their text '1' 0.25",
     ) as e:
         scoring.score_tokens(
-            task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2, ids, mask
+            task_of(share_of_the_longer), tiny_tokenizer, ["1234="] * 3, completions, ["1234"] * 3, ids, mask
         )
     assert "\n" not in str(e.value)
     placed = scoring.score_tokens(
-        task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 2, ["12345", "12"], ["1234"] * 2, ids, mask
+        task_of(copy_dense_reward), tiny_tokenizer, ["1234="] * 3, completions, ["1234"] * 3, ids, mask
     )
-    assert placed[0].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, -0.2, 0])  # the 5 pays on its own token
+    assert placed[1].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, -0.2, 0])  # the 5 pays on its own token
+    assert placed[0].tolist() == pytest.approx([0.25, 0.25, 0, 0, 0, 0])
 
 
 def test_per_token_values_are_checked_on_the_prefixes_they_are_given(tiny_tokenizer):
     """A function taking `tokens` sees each prefix's tokens; paying the last token for the length is not causal."""
-    causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]  # noqa: E731
+    causal = lambda p, c, a, tokens: [0.1 * (t == "1") for t in tokens]
     ids, mask = batch(tiny_tokenizer, ["121"])
     assert scoring.score_tokens(
         task_of(causal), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask
     ).sum() == pytest.approx(0.2)
-    by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]  # noqa: E731
+    by_length = lambda p, c, a, tokens: [0.0] * (len(tokens) - 1) + [float(len(tokens))]
     with pytest.raises(UsageError, match="is not causal"):
         scoring.score_tokens(task_of(by_length), tiny_tokenizer, ["p"], ["121"], ["a"], ids, mask)
+
+
+def paid_before_a_9(prompt, completion, answer):
+    """Not causal: a character is paid 1 when the next one is a 9, so its value is known only one token later."""
+    return [(i, i + 1, 1.0) for i in range(len(completion) - 1) if completion[i + 1] == "9"]
+
+
+def paid_before_a_9_per_token(prompt, completion, answer, tokens):
+    """paid_before_a_9 as one value a token, seeing the tokens."""
+    return [float(k + 1 < len(tokens) and tokens[k + 1] == "9") for k in range(len(tokens))]
+
+
+def paid_before_the_eos(prompt, completion, answer, tokens):
+    """Not causal: the token before the EOS is paid 1 for stopping (the EOS itself should be)."""
+    return [float(k + 1 < len(tokens) and tokens[k + 1] == "") for k in range(len(tokens))]
+
+
+BOUNDARY = {
+    # (reward, completion, whether it ends with an EOS, the one prefix, in tokens, whose total is wrong)
+    "first prefix, spans": (paid_before_a_9, "1923", True, 1),
+    "first prefix, per token": (paid_before_a_9_per_token, "1923", True, 1),
+    "last prefix, spans, cut before an EOS": (paid_before_a_9, "1239", False, 3),
+    "last prefix, per token, cut before an EOS": (paid_before_a_9_per_token, "1239", False, 3),
+    "last prefix, paid before the EOS": (paid_before_the_eos, "123", True, 3),
+}
+
+
+@pytest.mark.parametrize("case", BOUNDARY)
+def test_a_reward_that_is_not_causal_on_one_prefix_only_is_refused(tiny_tokenizer, case):
+    """The check must call the reward on every prefix, the first (one token) and the last (all but the last
+    token) included: each reward here pays every other prefix exactly what it was paid in the whole completion."""
+    reward, completion, eos, wrong = BOUNDARY[case]
+    tokens = list(completion) + [""] * eos  # the tiny tokenizer: one character a token; the EOS writes nothing
+
+    sees_tokens = task_of(reward).wants_tokens
+    assert sees_tokens == (reward is not paid_before_a_9)  # the spans are checked on the prefixes' texts alone
+
+    def per_token(toks):  # a span (i, i + 1, v) is on token i: one character a token
+        values = reward("p", "".join(toks), "a", **({"tokens": toks} if sees_tokens else {}))
+        spans = values and isinstance(values[0], tuple)
+        return [sum(v for i, _, v in values if i == k) for k in range(len(toks))] if spans else values
+
+    whole = per_token(tokens)
+    differs = [k for k in range(1, len(tokens)) if sum(per_token(tokens[:k])) != sum(whole[:k])]
+    assert differs == [wrong]  # the premise: one prefix shows it, and it is the first or the last one
+    assert wrong in (1, len(tokens) - 1)
+    ids, mask = batch(tiny_tokenizer, [completion], eos=eos)
+    with pytest.raises(UsageError, match=rf"is not causal: .* the first {wrong} token\(s\) of completion") as e:
+        scoring.score_tokens(task_of(reward), tiny_tokenizer, ["p"], [completion], ["a"], ids, mask)
+    assert "\n" not in str(e.value)
 
 
 def test_copy_dense_reward_is_the_increase_of_copy_reward_on_each_prefix():
@@ -217,6 +273,7 @@ def test_grpo_outcome_is_the_sum_of_the_dense_reward(tmp_path, monkeypatch):
     assert len(set(expected)) > 1  # the completions differ, so a wrong sum could not pass
 
 
+@pytest.mark.exact
 def test_ppo_reward_holds_each_value_at_its_token(tmp_path, monkeypatch):
     """With no KL penalty and no missing-EOS penalty, PPO's per-token reward is the dense reward itself."""
     dense_task(

@@ -69,6 +69,7 @@ GRPO_VARIANTS = {
 }
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", GRPO_VARIANTS)
 def test_grpo_dump_recomputes(variant, tmp_path):
     dump_dir = str(tmp_path / "dump")
@@ -205,6 +206,7 @@ def check_ppo_dump(meta, d, eos_ids):
     close(ppo.compute_rewards(d, argparse.Namespace(**a))[0], rewards)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", PPO_VARIANTS)
 def test_ppo_dump_recomputes(variant, tmp_path):
     """Step 1, then a resume from its checkpoint to step 2, so the models that made step 2 are on disk."""

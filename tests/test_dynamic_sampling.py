@@ -1,7 +1,9 @@
 """grpo.py's rollout as a unit: rounds joined with their padding, and DAPO's dynamic sampling."""
 
+import random
 import types
 
+import pytest
 import torch
 
 import common
@@ -78,11 +80,50 @@ def test_dynamic_sampling_fills_with_equal_groups_after_the_last_round():
     assert batch["prompts"][2:] == ["p1.0", "p1.1"]
 
 
+def kept_by_hand(rounds, prompts_per_step, group_size, max_rounds):
+    """Which rows dynamic sampling must keep, written without tensors: the rounds are drawn until prompts_per_step
+    groups (of group_size rows) have rewards that differ, or max_rounds were; then the informative groups in the
+    order they were drawn, then the equal ones, prompts_per_step of them. Returns (rows as "p{round}.{row}", rounds)."""
+    groups = []  # (informative, round, first row)
+    for tag, rewards in enumerate(rounds[:max_rounds], start=1):
+        for start in range(0, len(rewards), group_size):
+            groups.append((len(set(rewards[start : start + group_size])) > 1, tag, start))
+        if sum(informative for informative, _, _ in groups) >= prompts_per_step:
+            break
+    ordered = [g for g in groups if g[0]] + [g for g in groups if not g[0]]
+    rows = [f"p{tag}.{start + j}" for _, tag, start in ordered[:prompts_per_step] for j in range(group_size)]
+    return rows, tag
+
+
+@pytest.mark.parametrize("prompts_per_step, group_size", [(3, 2), (2, 3), (2, 5)])
+def test_dynamic_sampling_keeps_the_groups_counted_by_hand(prompts_per_step, group_size):
+    """Prompts per step and group size differ (both ways), so a row index or a group count built from the wrong one
+    of the two keeps other rows; random rounds of 0/1 rewards, some groups equal, checked against kept_by_hand."""
+    rng = random.Random(prompts_per_step * 10 + group_size)
+    seen_rounds, fills = set(), 0
+    for _ in range(40):
+        n = prompts_per_step * group_size
+        odds = rng.choice([0.1, 0.3, 0.5])  # rare 1s: many groups all 0, so more rounds and some fills
+        rounds = [[float(rng.random() < odds) for _ in range(n)] for _ in range(3)]
+        batch, drawn = run_dynamic_sampling(rounds, prompts_per_step, group_size, max_rounds=3)
+        rows, expected_rounds = kept_by_hand(rounds, prompts_per_step, group_size, max_rounds=3)
+        assert drawn == expected_rounds
+        assert batch["prompts"] == rows
+        assert batch["completions"] == [p.replace("p", "c") for p in rows]
+        ids = [100 * int(tag) + int(row) for tag, row in (p[1:].split(".") for p in rows)]
+        assert batch["completion_ids"][:, 0].tolist() == ids  # the tensors picked the same rows as the lists
+        assert batch["rewards"].tolist() == [rounds[i // 100 - 1][i % 100] for i in ids]
+        seen_rounds.add(drawn)
+        fills += not batch["rewards"].view(-1, group_size).std(1).gt(0).all()
+    assert seen_rounds == {1, 2, 3} and fills > 0  # the scripts stopped after each number of rounds, and some filled
+
+
 def test_a_step_with_dynamic_sampling_trains_on_informative_groups(tmp_path, monkeypatch):
+    """3 prompts a step in groups of 4: each kept group is 4 rows of one prompt, whose rewards differ."""
     monkeypatch.chdir(tmp_path)
     args = grpo.Args(
         num_steps=2,
-        prompts_per_step=4,
+        prompts_per_step=3,
         group_size=4,
         dynamic_sampling=True,
         max_sampling_rounds=4,
@@ -92,6 +133,9 @@ def test_a_step_with_dynamic_sampling_trains_on_informative_groups(tmp_path, mon
     grpo.main(args)
     from safetensors.torch import load_file
 
-    rewards = load_file(str(tmp_path / "dumps" / "step000002.safetensors"))["rewards"]
-    assert rewards.shape == (16,)
-    assert rewards.view(-1, 4).std(1).gt(0).all()  # copy's partial credit: 4 rounds always find 4 such groups
+    d = load_file(str(tmp_path / "dumps" / "step000002.safetensors"))
+    assert d["rewards"].shape == (12,)
+    assert d["rewards"].view(3, 4).std(1).gt(0).all()  # copy's partial credit: 4 rounds always find 3 such groups
+    prompts = d["prompt_ids"].view(3, 4, -1)
+    assert torch.equal(prompts, prompts[:, :1].expand_as(prompts))  # a group's rows share their prompt
+    assert not torch.equal(prompts[0, 0], prompts[1, 0])  # and the groups are different prompts

@@ -20,6 +20,7 @@ from tasks import rewards
 CPU = torch.device("cpu")
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_the_reference_equals_the_policy_at_step_1_in_bfloat16(script, tmp_path):
     """The reference was held in bf16 while the policy kept float32 weights under bf16 autocast: with the same
@@ -118,6 +119,7 @@ def test_float16_is_refused_in_one_line():
         precision.resolve_dtype("float16", CPU)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_weight_decay_is_a_flag_and_0_by_default(script, tmp_path, monkeypatch):
     """torch's AdamW decays by 0.01 unless told otherwise; the default here is 0, as in TRL and OpenRLHF."""
@@ -153,6 +155,7 @@ def test_a_model_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
         models.load_causal_lm(str(tmp_path / "t5"), CPU)
 
 
+@pytest.mark.exact
 def test_no_decay_on_norms_and_biases_spares_exactly_those(tiny_model):
     """--no-decay-norms-and-biases: the HF Trainer's (TRL's) groups, decay on every matrix but no norm weight or
     bias."""

@@ -72,7 +72,7 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
             text=True,
         )
         # tqdm's bar shows "2/400" once two steps are done: the loop is running, the handler installed.
-        steps_done = lambda: max(map(int, re.findall(r"(\d+)/400", log_path.read_text())), default=0)  # noqa: E731
+        steps_done = lambda: max(map(int, re.findall(r"(\d+)/400", log_path.read_text())), default=0)
         wait_for(lambda: steps_done() >= 2, "step 2", process)
         process.send_signal(sig)
         stdout, _ = process.communicate(timeout=120)

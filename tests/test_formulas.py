@@ -64,6 +64,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_kl():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.exact
 def test_masked_mean_hand_values():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
@@ -189,6 +190,7 @@ def test_aggregate_loss_rejects_unknown_mode():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.exact
 def test_mask_after_eos():
     EOS = 1
     ids = torch.tensor(
@@ -203,12 +205,14 @@ def test_mask_after_eos():
     assert torch.equal(common.mask_after_eos(ids, [EOS]), expected)
 
 
+@pytest.mark.exact
 def test_mask_after_eos_with_several_eos_ids():
     ids = torch.tensor([[5, 2, 6, 1, 7], [5, 6, 1, 2, 7], [5, 6, 7, 8, 9]])
     expected = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     assert torch.equal(common.mask_after_eos(ids, [1, 2]), expected)
 
 
+@pytest.mark.exact
 def test_mask_after_eos_when_pad_is_eos():
     """Generation fills finished rows with the pad id; when pad == EOS only the first one is real."""
     EOS = PAD = 1
@@ -217,6 +221,7 @@ def test_mask_after_eos_when_pad_is_eos():
     assert torch.equal(common.mask_after_eos(ids, [EOS]), expected)
 
 
+@pytest.mark.exact
 def test_position_ids_from_mask_with_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]])

@@ -23,6 +23,7 @@ def first_eos_mask(completion_ids, eos_ids):
     return mask
 
 
+@pytest.mark.exact
 def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer):
     eos_ids = models.eos_token_ids(tiny_model, tiny_tokenizer)
     torch.manual_seed(0)
@@ -36,6 +37,7 @@ def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer)
     assert (lengths < completion_ids.shape[1]).any() and (lengths == 12).any()  # some rows stop early, some do not
 
 
+@pytest.mark.exact
 def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.pad_token = tokenizer.eos_token
@@ -48,6 +50,22 @@ def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     # Finished rows are filled with pad = EOS; only the first EOS of a row counts as a real token.
     stopped = [row for row, n in zip(completion_ids.tolist(), completion_mask.sum(1).tolist()) if n <= 10]
     assert stopped and all(row[row.index(tokenizer.eos_token_id) + 1] == tokenizer.eos_token_id for row in stopped)
+
+
+def test_completions_start_after_the_prompt_when_every_row_stops_early(tiny_model, tiny_tokenizer):
+    """Every token an EOS: each row stops after one token, so the generation is far shorter than max_new_tokens
+    (6, not the prompt width 4 either) and the completion is the one column after the prompt: greedy, the argmax
+    of the model's last prompt logits."""
+    eos_ids = list(range(tiny_model.config.vocab_size))
+    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+        tiny_model, tiny_tokenizer, PROMPTS[:4], 6, 1.0, eos_ids, greedy=True
+    )
+    assert prompt_ids.shape == (4, 4) and completion_ids.shape == completion_mask.shape == (4, 1)
+    positions = common.position_ids_from_mask(prompt_mask)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions).logits
+    assert completion_ids[:, 0].tolist() == logits[:, -1].argmax(-1).tolist()
+    assert completion_mask.tolist() == [[1]] * 4
 
 
 def total_variation(samples, probs):

@@ -114,10 +114,18 @@ def grpo_expected_gradient(policy, old_policy, d, args):
     ids=["seq-mean-token-mean", "token-mean", "sum-norm", "mu2-paper-k3", "mu2-bias-corrected"],
 )
 def test_grpo_gradient_over_micro_batches_is_the_whole_batch_loss_gradient(flags, tmp_path, clipped):
-    """Step 2 (the policy has moved from the reference, so the KL term has a gradient), 12 completions in
-    micro-batches of 5, 5 and 2; with --num-iterations 2 the second iteration, whose ratios are not 1."""
+    """Step 2 (the policy has moved from the reference, so the KL term has a gradient), 12 completions (3 prompts in
+    groups of 4) in micro-batches of 5, 5 and 2; with --num-iterations 2 the second iteration, whose ratios are not
+    1. The reward (distinct characters written) has many values, so every group's advantages differ from another
+    grouping's."""
+    reward = tmp_path / "distinct.py"
+    reward.write_text(
+        'EXAMPLES = [{"prompt": f"{i}=", "answer": ""} for i in range(100)]\n'
+        "def reward(prompt, completion, answer):\n    return len(set(completion)) / 4\n"
+    )
     args = grpo.Args(
         seed=2,
+        task=f"python:{reward}:reward",
         num_steps=2,
         prompts_per_step=3,
         group_size=4,
@@ -132,6 +140,7 @@ def test_grpo_gradient_over_micro_batches_is_the_whole_batch_loss_gradient(flags
     )
     grpo.main(args)
     d = load_file(str(tmp_path / "dump" / "step000002.safetensors"))
+    assert d["rewards"].view(-1, 4).std(1).gt(0).all()  # each group's rewards differ: the surrogate has a gradient
     mu = args.num_iterations
     assert len(clipped) == 2 * mu
     policy = with_weights(models.load_causal_lm(args.model, CPU), clipped[-1][0])
@@ -220,11 +229,9 @@ def test_ppo_every_update_is_the_gradient_of_a_reshuffled_minibatch(tmp_path, cl
     assert len(epochs) == args.update_epochs and len(updates) == args.update_epochs * args.num_minibatches
     pairs = [tuple(sorted(perm[i : i + 2])) for perm in epochs for i in (0, 2, 4)]
     assert {frozenset(p) for p in pairs[:3]} != {frozenset(p) for p in pairs[3:]}, f"both epochs drew {pairs[:3]}"
-    make = (
-        lambda weights: (
-            with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),  # noqa: E731
-            with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]),
-        )
+    make = lambda weights: (
+        with_weights(models.load_causal_lm(args.model, CPU), weights[:n_policy]),
+        with_weights(ppo.load_critic(args.model, CPU), weights[n_policy:]),
     )
     old_policy, old_critic = make(updates[0][0])
     stats = dict(above=False, below=False, v_up=False, v_down=False)

@@ -40,6 +40,7 @@ def test_group_advantages_hand_values():
     torch.testing.assert_close(advantages, torch.tensor([-0.75, 0.25, 0.25, 0.25]) / (0.5 + 1e-4))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_all_equal_group_gets_exactly_zero_advantage(scale):
     rewards = torch.tensor([0.7, 0.7, 0.7, 0.0, 1.0, 0.5])

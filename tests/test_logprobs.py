@@ -8,6 +8,7 @@ from conftest import make_small_model
 import common
 import grpo
 import ppo
+from machinery import precision
 
 PAD = 0
 
@@ -66,23 +67,26 @@ def test_token_logprobs_match_full_softmax(small_model, temperature):
     assert (logp[completion_mask == 0] == 0).all() and (entropy[completion_mask == 0] == 0).all()
 
 
-def grouped_batch():
-    """Two groups of three completions each sharing a prompt (the second left-padded), as GRPO lays out a batch."""
+def grouped_batch(width=5):
+    """Two groups of three completions each sharing a prompt of 4 positions (the second left-padded), as GRPO lays out
+    a batch; completions `width` wide (5: longer than the prompt, 2: shorter)."""
     input_ids, attention_mask, completion_mask = ragged_batch()
     rows = torch.tensor([0, 0, 0, 1, 1, 1])
     g = torch.Generator().manual_seed(2)
-    input_ids, attention_mask = input_ids[rows].clone(), attention_mask[rows].clone()
-    input_ids[:, 4:] = torch.randint(2, 32, (6, 5), generator=g)  # each completion its own
-    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]] * 2)
+    input_ids, attention_mask = input_ids[rows, : 4 + width].clone(), attention_mask[rows, : 4 + width].clone()
+    input_ids[:, 4:] = torch.randint(2, 32, (6, width), generator=g)  # each completion its own
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]] * 2)[:, :width]
     attention_mask[:, 4:] = completion_mask
     return input_ids, attention_mask, completion_mask
 
 
-def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model):
-    """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients."""
+@pytest.mark.parametrize("width", [5, 2])
+def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_model, width):
+    """Each group's prompt computed once (prompt_cache.py) gives the textbook log-probs and their gradients, whether
+    the completions are wider than the prompts or narrower."""
     from machinery import prompt_cache
 
-    input_ids, attention_mask, completion_mask = grouped_batch()
+    input_ids, attention_mask, completion_mask = grouped_batch(width)
     first, run = prompt_cache.prompt_runs(input_ids[:, :4], attention_mask[:, :4])
     assert first.tolist() == [0, 3] and run.tolist() == [0, 0, 0, 1, 1, 1]  # so the shared path runs below
     positions = common.position_ids_from_mask(attention_mask)
@@ -98,6 +102,7 @@ def test_a_shared_prompt_gives_the_plain_forwards_values_and_gradients(small_mod
         assert_grad_close(g, eg)
 
 
+@pytest.mark.exact
 def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer, monkeypatch):
     """generate() continuing from each group's shared prompt cache draws the same tokens as from 12 prompts."""
     from machinery import prompt_cache
@@ -110,7 +115,7 @@ def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer
     )
     torch.manual_seed(0)
     shared = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
-    every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))  # noqa: E731
+    every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))
     monkeypatch.setattr(prompt_cache, "prompt_runs", every_row)  # no two rows share: the plain path
     torch.manual_seed(0)
     plain = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
@@ -296,7 +301,7 @@ def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
     ):
         with (
             torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
-            common.decoding_attention(model, ids, new_tokens),
+            precision.decoding_attention(model, ids, new_tokens),
         ):
             seen.append(model.config._attn_implementation)
         assert model.config._attn_implementation == "sdpa"
@@ -304,12 +309,13 @@ def test_plain_attention_decodes_only_on_a_cpu_under_bf16_and_while_small():
     with (
         pytest.raises(RuntimeError),
         torch.autocast("cpu", dtype=torch.bfloat16),
-        common.decoding_attention(model, small, 16),
+        precision.decoding_attention(model, small, 16),
     ):
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.exact
 def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_rows():
     """Under bf16 autocast every log-prob of a step comes from one kernel, whatever the rows of the call: a copy of
     the policy (the reference) gives the same log-probs (the step-1 KL is 0), and slices of the batch (PPO's old
@@ -332,6 +338,7 @@ def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_r
     torch.testing.assert_close(torch.cat(rows), whole, atol=0, rtol=0)
 
 
+@pytest.mark.exact
 def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_tokenizer):
     """The kernel decoding_attention switches to is the same attention: log-probs and gradients (the prompt shared, as
     GRPO's groups are) agree with SDPA's in float32, and the same seed samples the same completions."""

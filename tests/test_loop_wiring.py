@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_explained_variance import printed_lines
 
 import common
 import grpo
@@ -77,7 +78,7 @@ def run_ppo_with_target(tmp_path, target_kl):
         target_kl=target_kl,
         kl_horizon=20,
         num_minibatches=2,
-        sample_every=0,
+        sample_every=1,
         output_dir=str(tmp_path / "runs"),
         dump_dir=str(tmp_path / "dump"),
     )
@@ -87,7 +88,7 @@ def run_ppo_with_target(tmp_path, target_kl):
     return dumps, logged_scalars(run_dir)
 
 
-def test_ppo_loop_feeds_the_kl_controller(tmp_path):
+def test_ppo_loop_feeds_the_kl_controller(tmp_path, capsys):
     """Each step's kl_coef is the controller's update from the previous step, fed the summed KL per completion
     (not the per-token mean) and the number of completions (8 = 4 prompts x 2, not the 4 prompts), compounding
     step after step; the coefficient in use is the one logged and dumped. Step 1's KL is 0 (the policy is the
@@ -100,7 +101,11 @@ def test_ppo_loop_feeds_the_kl_controller(tmp_path):
     assert kl_2 > 0.05, "the policy must have moved away from the reference by step 2"
 
     target = kl_2 / 1.1  # error at step 2: 1.1 - 1 = 0.1
+    capsys.readouterr()
     dumps, scalars = run_ppo_with_target(tmp_path / "b", target_kl=target)
+    # --sample-every prints the first completion of each of the first 3 prompts (rows 0, 2, 4: 2 samples a prompt)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert printed == [line for step, d in enumerate(dumps, 1) for line in printed_lines(d, step, [0, 2, 4], "scores")]
     assert summed_kl_per_completion(dumps[1]) == pytest.approx(kl_2, rel=1e-5)  # the same trajectory up to step 2
     expected = [0.05]
     for d in dumps[:2]:
@@ -213,7 +218,7 @@ class FakeWriter:
 
 
 def test_perf_seconds_are_cumulative_per_phase_and_tokens_per_second_over_both(monkeypatch):
-    """perf/rollout_seconds and perf/train_seconds add up each phase's wall time over the run (the README's
+    """perf/rollout_seconds and perf/train_seconds add up each phase's wall time over the run (docs/logs.md's
     "cumulative"); perf/tokens_per_second divides the tokens by the time of both phases. Guards a timer that
     keeps only the last interval, swapped phases, or a rate over one phase."""
     import time
@@ -261,8 +266,8 @@ def test_peak_memory_on_cpu_is_the_resident_peak_in_gib():
 
 
 def test_summary_line_reports_the_first_5_and_last_10_percent(capsys):
-    """The closing line is the README's benchmark: the mean score over the first 5% and the last 10% of the steps
-    (2 and 4 of 40 here). Guards an off-by-one or a wrong share in those windows."""
+    """The closing line is the benchmark of docs/benchmarks.md: the mean score over the first 5% and the last 10% of
+    the steps (2 and 4 of 40 here). Guards an off-by-one or a wrong share in those windows."""
     import re
 
     scores = [0.01 * i for i in range(40)]

@@ -52,6 +52,7 @@ def logprobs(model, d):
         return common.token_logprobs(model.eval(), input_ids, attention_mask, d["completion_mask"], 1.0)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_step_one_kl_is_exactly_zero(script, dtype, tmp_path):
@@ -65,6 +66,7 @@ def test_step_one_kl_is_exactly_zero(script, dtype, tmp_path):
     assert torch.equal(policy_logp, d["ref_logp"])
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_reference_stays_the_base_model(script, tmp_path):
     """After 3 updates the policy has moved, and the reference's log-probs are still the base model's, bit for bit:
@@ -112,6 +114,7 @@ def test_saved_adapters_and_merged_model_are_the_last_policy(script, tmp_path, m
     torch.testing.assert_close(logprobs(merged, d), expected, rtol=0, atol=1e-5)  # W + B A rounds once
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_resume_continues_bit_exactly(script, tmp_path):
     """4 steps at once, and 2 steps then 2 more from the checkpoint: the same adapters (and PPO's critic adapters
@@ -136,6 +139,7 @@ def test_resume_continues_bit_exactly(script, tmp_path):
         assert all(torch.equal(a[index][k], b[index][k]) for k in a[index])
 
 
+@pytest.mark.exact
 def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     """PPO's critic: its own adapters on its own copy of the base, both frozen; no tensor shared with the policy."""
     seen = {}

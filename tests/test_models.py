@@ -31,7 +31,7 @@ from transformers import (
 import common
 import grpo
 import ppo
-from machinery import bookkeeping, models, precision
+from machinery import flags, models, precision
 from machinery.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -245,7 +245,7 @@ def test_a_system_prompt_is_counted_and_one_the_template_refuses_is_named(tmp_pa
 def test_system_prompt_flag_parses_empty_and_text(monkeypatch):
     for argv, expected in [([], None), (["--system-prompt", ""], ""), (["--system-prompt", "Be brief."], "Be brief.")]:
         monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
-        assert bookkeeping.parse_args(grpo.Args, grpo.HUB_DEFAULTS)[0].system_prompt == expected
+        assert flags.parse_args(grpo.Args, grpo.HUB_DEFAULTS)[0].system_prompt == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,6 +279,7 @@ def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task
     assert isinstance(common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)[0], str)
 
 
+@pytest.mark.exact
 def test_ppo_runs_on_a_saved_model_and_its_critic_reloads(lm, jsonl_task, tmp_path):
     folder, _, tokenizer = lm
     args = ppo.Args(
@@ -349,6 +350,7 @@ DROPOUT_CONFIGS = {
 }
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("name", DROPOUT_CONFIGS)
 def test_load_pretrained_turns_dropout_off(name, tmp_path):
     torch.manual_seed(0)
@@ -453,7 +455,7 @@ def checkpointing_flags(model):
 def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
     model = models.load_causal_lm(qwen2_dir, CPU)
     tokenizer = models.load_tokenizer(qwen2_dir)
-    common.set_activation_checkpointing(model, True)
+    precision.set_activation_checkpointing(model, True)
     model.train()
     assert any(checkpointing_flags(model))
     seen = []
@@ -521,6 +523,7 @@ def test_float16_is_refused_before_anything_loads(qwen2_dir, tmp_path):
     assert not os.listdir(tmp_path)  # stopped before creating the run folder
 
 
+@pytest.mark.exact
 def test_a_saved_critic_reloads_with_its_value_head(lm, tmp_path):
     folder, _, _ = lm
     critic = ppo.load_critic(folder, CPU)
@@ -532,6 +535,7 @@ def test_a_saved_critic_reloads_with_its_value_head(lm, tmp_path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.exact
 def test_critic_starts_from_the_policy_weights(lm):
     folder, _, _ = lm
     policy = dict(models.load_causal_lm(folder, CPU).named_parameters())

@@ -106,6 +106,7 @@ def test_clipped_value_loss_hand_values():
     torch.testing.assert_close(loss, torch.tensor([0.32, 0.405, 1.125, 0.5]))
 
 
+@pytest.mark.exact
 def test_value_clipping_stops_the_gradient_beyond_the_range():
     """A value that already moved past the clip range towards its target gets no more gradient (the clipped
     term is the larger loss); one that moved away from its target keeps the full gradient (pessimistic max)."""
@@ -156,6 +157,7 @@ def test_adaptive_kl_coef_moves_towards_target():
     assert ppo.adaptive_kl_coef(0.1, kl=6.0, target_kl=6.0, n_completions=100, horizon=10000) == pytest.approx(0.1)
 
 
+@pytest.mark.exact
 def test_critic_starts_from_policy_weights(tmp_path):
     policy = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
     critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
@@ -168,6 +170,7 @@ def test_critic_starts_from_policy_weights(tmp_path):
     assert critic.value_head.weight.shape == (1, policy.config.hidden_size)
 
 
+@pytest.mark.exact
 def test_the_value_head_starts_at_zero():
     """lm-human-preferences zero-initialises the value head: every value of a fresh critic is 0, whatever the input."""
     critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
@@ -199,6 +202,7 @@ def test_ppo_end_to_end_score_rises(tmp_path):
     assert last > first + 0.2, (first, last)
 
 
+@pytest.mark.exact
 def test_the_kl_controller_is_fed_the_summed_k1_whatever_the_estimator(tmp_path):
     """With --kl-estimator k2 the penalty uses k2, but --target-kl names the KL itself: the controller gets k1's sum.
 

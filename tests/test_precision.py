@@ -64,6 +64,7 @@ def test_the_choice_is_printed_with_its_reason(monkeypatch, capsys):
     assert "dtype: float32 (--dtype float32)" in capsys.readouterr().out
 
 
+@pytest.mark.exact
 def test_bfloat16_on_such_a_cpu_keeps_step_1_kl_at_0(monkeypatch, tmp_path, capsys):
     """On a CPU reported to have AVX-512 BF16, --dtype bfloat16 trains under bf16 autocast (a model other than the
     built-in tiny one: its weights, copied to a folder of another name), and the reference, held like the policy,

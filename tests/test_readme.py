@@ -1,5 +1,9 @@
-"""The README's verification snippet runs as printed, on a dump from a real run, for each GRPO variant."""
+"""The README and the docs pages: the verification snippet of docs/verify.md runs as printed, on a dump from a real
+run, for each GRPO variant; every relative link of README.md and docs/*.md points at a file (and a heading) that
+exists; the README is a newcomer's page, at most 300 lines, whose first two commands are the quick start's."""
 
+import difflib
+import glob
 import os
 import re
 import subprocess
@@ -8,12 +12,18 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK_START = [
+    "pip install torch==2.13.0 -r requirements.txt && python grpo.py",
+    "pip install torch==2.13.0 -r requirements.txt && python -m pytest -q",
+]
 
 
-def readme_snippet():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text.split("## Verify your implementation against this one", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)
+def read(path):
+    return open(os.path.join(ROOT, path), encoding="utf-8").read()
+
+
+def verification_snippet():
+    return re.search(r"```python\n(.*?)```", read("docs/verify.md"), flags=re.DOTALL).group(1)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +55,81 @@ def test_readme_verification_snippet_runs_on_a_real_dump(tmp_path, flags):
         *flags,
     ]
     subprocess.run(run, cwd=tmp_path, env=env, check=True, capture_output=True)
-    (tmp_path / "verify.py").write_text(readme_snippet())
+    (tmp_path / "verify.py").write_text(verification_snippet())
     out = subprocess.run([sys.executable, "verify.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "match to 1e-6" in out.stdout
+
+
+def without_code_blocks(text):
+    return re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def prose(text):
+    """The text without its code blocks and inline code spans, where a link is not a link."""
+    return re.sub(r"`[^`\n]*`", "", without_code_blocks(text))
+
+
+def anchors(text):
+    """The anchors GitHub gives the headings of a page: lower case, punctuation dropped, spaces to hyphens, and a
+    repeated one numbered -1, -2, ..."""
+    seen, result = {}, set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", without_code_blocks(text), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        result.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return result
+
+
+def test_anchors_are_githubs():
+    text = '# A real model on this CPU: SmolLM2-135M-Instruct\n## "Done" means it\n## `verify.py`\n## Tasks\n## Tasks\n'
+    assert anchors(text) == {"a-real-model-on-this-cpu-smollm2-135m-instruct", "done-means-it", "verifypy", "tasks"} | {
+        "tasks-1"
+    }
+
+
+def test_every_relative_link_points_at_a_file_and_heading_that_exist():
+    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert len(pages) > 10
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(read(page))):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(os.path.join(ROOT, path)):
+                broken.append(f"{page}: {target} (no file {path})")
+            elif anchor and path.endswith(".md") and anchor not in anchors(read(path)):
+                broken.append(f"{page}: {target} (no heading #{anchor} in {path})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_short_and_starts_with_the_quick_start():
+    text = read("README.md")
+    assert text.count("\n") <= 300
+    blocks = re.findall(r"^```\w*\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+    commands = [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+    assert commands[:2] == QUICK_START
+
+
+def test_the_readme_links_every_docs_page():
+    text = read("README.md")
+    missing = [
+        p for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) if f"](docs/{os.path.basename(p)})" not in text
+    ]
+    assert not missing, missing
+
+
+def changed_share(a, b):
+    """The share of two files' lines that `diff a b` marks changed (difflib's diff: within a point of GNU diff's)."""
+    a, b = open(os.path.join(ROOT, a)).read().splitlines(), open(os.path.join(ROOT, b)).read().splitlines()
+    changed = [line for line in difflib.unified_diff(a, b, n=0, lineterm="") if line[:1] in "+-"]
+    return (len(changed) - 2) / (len(a) + len(b))  # less the two file headers
+
+
+def test_the_readme_says_how_much_of_the_two_algorithm_files_differs():
+    """The README's figure for `diff grpo.py ppo.py` is today's, within 3 points: a change that makes the two files
+    drift apart (or closer) updates the sentence."""
+    figure = int(re.search(r"PPO's reward\): (\d+)% of the two files' lines", read("README.md")).group(1))
+    assert abs(changed_share("grpo.py", "ppo.py") * 100 - figure) <= 3, changed_share("grpo.py", "ppo.py")

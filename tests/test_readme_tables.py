@@ -1,4 +1,4 @@
-"""The README's flag table ("Every flag") and logging table ("What is logged") against the code: every field of
+"""The flag table (docs/flags.md) and logging table (docs/logs.md) against the code: every field of
 grpo.Args and ppo.Args (with the shared RunArgs) has its row with its default (and HUB_DEFAULTS value), and
 every TensorBoard scalar one step of each script logs (recorded from the writer) has its row, ticked for the
 scripts that log it. A failure names the missing and the extra rows. The meanings are prose, not compared."""
@@ -17,9 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
 
-def readme_table(heading):
-    """The rows of the first table under `heading`: [cells], the header and separator left out."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def docs_table(page, heading):
+    """The rows of the first table under `heading` of the docs page `page`: [cells], the header and separator left
+    out."""
+    text = "\n" + open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
     section = text.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")][2:]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
@@ -39,31 +40,33 @@ def expected_default(module, field):
     return value
 
 
-def differences(readme, code, what):
-    """Lines naming the rows the code has and the README lacks, and the reverse."""
-    missing, extra = sorted(code.keys() - readme.keys()), sorted(readme.keys() - code.keys())
-    lines = [f"README lacks the {what} row {name}: {code[name]}" for name in missing]
-    lines += [f"README has a {what} row {name} that the code does not have: {readme[name]}" for name in extra]
+def differences(documented, code, what):
+    """Lines naming the rows the code has and the docs page lacks, and the reverse."""
+    missing, extra = sorted(code.keys() - documented.keys()), sorted(documented.keys() - code.keys())
+    lines = [f"the docs page lacks the {what} row {name}: {code[name]}" for name in missing]
     lines += [
-        f"{what} {name}: README says {readme[name]}, the code {code[name]}"
-        for name in sorted(readme.keys() & code.keys())
-        if readme[name] != code[name]
+        f"the docs page has a {what} row {name} that the code does not have: {documented[name]}" for name in extra
+    ]
+    lines += [
+        f"{what} {name}: the docs page says {documented[name]}, the code {code[name]}"
+        for name in sorted(documented.keys() & code.keys())
+        if documented[name] != code[name]
     ]
     return lines
 
 
 def test_the_flag_table_is_the_args_of_both_scripts():
-    readme = {}
-    for cells in readme_table("## Every flag"):
+    documented = {}
+    for cells in docs_table("flags.md", "# Every flag"):
         flag = re.match(r"`(--[\w-]+)", cells[0]).group(1)
-        readme[flag] = dict(grpo=cells[1], ppo=cells[2])
+        documented[flag] = dict(grpo=cells[1], ppo=cells[2])
     code = {}
     for script, module in SCRIPTS.items():
         for field in dataclasses.fields(module.Args):
             flag = "--" + field.name.replace("_", "-")
             code.setdefault(flag, dict(grpo="-", ppo="-"))[script] = expected_default(module, field)
-    if differences(readme, code, "flag"):
-        pytest.fail("\n".join(differences(readme, code, "flag")))
+    if differences(documented, code, "flag"):
+        pytest.fail("\n".join(differences(documented, code, "flag")))
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +92,15 @@ def logged(tmp_path_factory):
 
 
 def test_the_logging_table_is_what_the_loops_log(logged):
-    readme = {}
-    for cells in readme_table("## What is logged"):
+    documented = {}
+    for cells in docs_table("logs.md", "# What is logged"):
         for name in re.findall(r"`([\w/]+)`", cells[0]):
-            readme[name] = ", ".join(script for script, cell in zip(SCRIPTS, cells[1:3]) if cell == "✓") or "neither"
+            documented[name] = (
+                ", ".join(script for script, cell in zip(SCRIPTS, cells[1:3]) if cell == "✓") or "neither"
+            )
     code = {}
     for script in SCRIPTS:
         for name in logged[script]:
             code[name] = ", ".join(s for s in SCRIPTS if name in logged[s])
-    if differences(readme, code, "scalar"):
-        pytest.fail("\n".join(differences(readme, code, "scalar")))
+    if differences(documented, code, "scalar"):
+        pytest.fail("\n".join(differences(documented, code, "scalar")))

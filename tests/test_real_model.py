@@ -111,6 +111,7 @@ def train(script, tmp_path, **flags):
     return args, scores, run_dir
 
 
+@pytest.mark.exact
 @needs_model
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo", "ppo"])

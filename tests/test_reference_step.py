@@ -423,7 +423,7 @@ def test_grpo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatc
             following = spy.calls[k]["params"] if k < len(spy.calls) else final_params(run_dir, "final", policy)
             assert_params_close(following, after, f"step {step}, iteration {iteration + 1}: the weights after AdamW")
 
-        # What is logged means what the README says.
+        # What is logged means what docs/logs.md says.
         lengths = [len(c) for _, c in rows]
         total_tokens += int(d["prompt_mask"].sum()) + sum(lengths)
         check_scalar(scalars, "charts/score", step, sum(rewards) / N)
@@ -697,7 +697,7 @@ def test_ppo_two_steps_match_the_reference(variant, sharp, tmp_path, monkeypatch
                 saved_critic = list(ppo.load_critic(os.path.join(run_dir, "critic"), torch.device("cpu")).parameters())
                 assert_params_close(saved_critic, after[n_policy:], "the saved critic")
 
-        # What is logged means what the README says.
+        # What is logged means what docs/logs.md says.
         row_totals = [sum(r) for r in rewards]
         check_scalar(scalars, "charts/score", step, sum(scores) / N)
         check_scalar(scalars, "charts/reward", step, sum(row_totals) / N)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import grpo
 import ppo
-from machinery import bookkeeping, checkpoints, errors, models
+from machinery import checkpoints, errors, flags, models
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -32,7 +32,7 @@ def quick_args(script, output_dir, **overrides):
 def resolved_args(script, output_dir, **overrides):
     """quick_args with the preset applied, as main() has them when it reads a checkpoint."""
     args = quick_args(script, output_dir, **overrides)
-    bookkeeping.apply_hub_defaults(args, SCRIPTS[script].HUB_DEFAULTS)
+    flags.apply_hub_defaults(args, SCRIPTS[script].HUB_DEFAULTS)
     return args
 
 
@@ -64,6 +64,7 @@ def assert_same_weights(a, b):
             assert torch.equal(a[folder][name], b[folder][name]), f"{folder}/{name} differs"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_same_seed_same_run(script, tmp_path):
     results = []
@@ -79,6 +80,7 @@ def test_same_seed_same_run(script, tmp_path):
     assert_same_weights(weights_a, weights_b)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_deterministic_flag_turns_on_deterministic_algorithms_and_reproduces(script, tmp_path):
     """--deterministic (what a GPU run needs) switches torch's deterministic algorithms on, and changes no result on
@@ -103,6 +105,7 @@ def test_another_seed_another_run(tmp_path):
     assert logged_scalars(only_run_dir(tmp_path / "a")) != logged_scalars(only_run_dir(tmp_path / "b"))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_continues_exactly(script, tmp_path):
     k, m = 2, 2
@@ -239,6 +242,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
     assert len(grpo.main(quick_args("grpo", tmp_path, num_steps=3, save_every=1, resume=checkpoint))) == 3
 
 
+@pytest.mark.exact
 def test_the_critic_has_no_dropout():
     """A dropout left on in the critic (a config key, or a head's module) would make its values depend on its
     train/eval mode, and a resumed run (fresh model, eval mode) would differ: train mode computes what eval does."""
@@ -252,6 +256,7 @@ def test_the_critic_has_no_dropout():
     assert torch.equal(trained[0], trained[1]) and torch.equal(trained[0], evaluated)
 
 
+@pytest.mark.exact
 def test_sharing_each_groups_prompt_changes_no_score(tmp_path, monkeypatch):
     """Each group's prompt computed once (prompt_cache.py, in generation and every forward) against every row's
     computed alone: same seed, float32, the same completions and scores at every step; the losses agree to float32

@@ -23,6 +23,7 @@ EXTRA = {
 }
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_mid_warmup_and_mid_kl_control_continues_exactly(script, tmp_path):
     """2 steps, a checkpoint, 2 more: the learning rates logged (lr * s / (warmup + 1) at step s, by the

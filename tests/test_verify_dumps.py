@@ -36,11 +36,7 @@ DAMAGED = {
     "group size 0": (dict(group_size=0), None, "--group-size is 0: GRPO needs at least 2 completions per prompt"),
     "group size a string": (dict(group_size="4"), None, "group_size is '4', not of type int"),
     "no rewards": ({}, lambda d: d.pop("rewards"), "step 1: it lacks rewards: not a step of this grpo.py run"),
-    "integer rewards": (
-        {},
-        lambda d: d.update(rewards=d["rewards"].long()),
-        "step 1: rewards is int64, not floating",
-    ),
+    "integer rewards": ({}, lambda d: d.update(rewards=d["rewards"].long()), "step 1: rewards is int64, not floating"),
     "a shape": (
         {},
         lambda d: d.update(new_logp=torch.zeros(12, 7)),

@@ -14,7 +14,7 @@ from verify_helpers import rows, run
 
 import verify
 
-# verify.py's tolerances as documented (README, "Tolerances"; verify.py): written here, so a loosened one fails
+# verify.py's tolerances as documented (docs/verify.md, "Tolerances"; verify.py): written here, so a loosened one fails
 DOCUMENTED = {
     "advantages": ("rel", 1e-5),
     "rewards": ("abs", 1e-6),

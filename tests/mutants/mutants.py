@@ -22,6 +22,9 @@ RESUME_EXACT = ["tests/test_resume_exact.py"]
 GRADIENTS_GRPO = ["tests/test_gradients.py", "-k", "grpo"]
 GRADIENTS_PPO = ["tests/test_gradients.py", "-k", "ppo"]
 VERIFY_TOLERANCES = ["tests/test_verify_tolerances.py"]
+DYNAMIC = ["tests/test_dynamic_sampling.py"]
+CAUSAL = ["tests/test_dense.py", "-k", "not_causal"]
+GROUP_LOGS = ["tests/test_explained_variance.py"]
 
 MUTANTS = [
     # ---------------------------------------------------------------------------------------- grpo.py
@@ -73,10 +76,10 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="every micro-batch takes the first rows' reference log-probs (a wrong slice)",
-        find="compute_loss(dict(new_logp=new_logp), common.select_rows(batch, micro), args)",
+        find="loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)",
         replace=(
-            "compute_loss(dict(new_logp=new_logp), dict(common.select_rows(batch, micro), "
-            "ref_logp=b_ref_logp[: len(b_mask[micro])] if b_ref_logp is not None else None), args)"
+            "loss, terms = compute_loss(outputs, dict(common.select_rows(mb_batch, micro), "
+            "ref_logp=b_ref_logp[: len(micro)] if b_ref_logp is not None else None), args)"
         ),
     ),
     dict(
@@ -93,12 +96,14 @@ MUTANTS = [
         tests=REF_GRPO,
         what="gradients zeroed once per step: iteration 2 adds to iteration 1's gradient",
         find=(
-            "            for iteration in range(args.num_iterations):\n"
+            "            for mb_inds in minibatches:\n                mb_batch = batch  # num_seqs, "
+            "num_tokens: the whole batch's, under torchrun every process's\n"
             "                optimizer.zero_grad(set_to_none=True)\n"
         ),
         replace=(
-            "            optimizer.zero_grad(set_to_none=True)\n"
-            "            for iteration in range(args.num_iterations):\n"
+            "            optimizer.zero_grad(set_to_none=True)\n            for mb_inds in minibatches:\n"
+            "                mb_batch = batch  # num_seqs, num_tokens: the whole batch's, "
+            "under torchrun every process's\n"
         ),
     ),
     dict(
@@ -114,12 +119,12 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="the reference log-probs come from the current policy: the KL term is always 0",
-        find="b_ref_logp = forward(ref_model) if ref_model else None",
-        replace="b_ref_logp = forward(policy) if ref_model else None",
+        find="b_ref_logp = forward(logprobs, ref_model) if ref_model else None",
+        replace="b_ref_logp = forward(logprobs, policy) if ref_model else None",
     ),
     dict(
         name="grpo-stats-summed-over-iterations",
-        file="machinery/bookkeeping.py",
+        file="common.py",
         tests=REF_GRPO,
         what="the logged losses/ add up the num_iterations passes instead of averaging them",
         find="return {name: value.item() for name, value in zip(names, means.mean(0))}",
@@ -130,8 +135,8 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="charts/completion_length counts the prompt's tokens too (the attention mask, not the completion mask)",
-        find="lengths = dist.gather(b_mask.sum(1).float())",
-        replace="lengths = dist.gather(b_attention_mask.sum(1).float())",
+        find="scores, lengths = all_rewards, dist.gather(b_mask.sum(1).float())",
+        replace="scores, lengths = all_rewards, dist.gather(b_attention_mask.sum(1).float())",
     ),
     dict(
         name="grpo-tokens-completion-only",
@@ -147,16 +152,8 @@ MUTANTS = [
         file="ppo.py",
         tests=REF_PPO,
         what="the ratio is taken against the reference's log-probs instead of the rollout policy's",
-        find=(
-            "micro_batch = {\n"
-            "                            k: b_rollout[k][micro]\n"
-            '                            for k in ("old_logp",'
-        ),
-        replace=(
-            "micro_batch = {\n"
-            '                            k: b_rollout[k if k != "old_logp" else "ref_logp"][micro]\n'
-            '                            for k in ("old_logp",'
-        ),
+        find="mb_batch = dict(b_rollout, num_tokens=",
+        replace='mb_batch = dict(b_rollout, old_logp=b_rollout["ref_logp"], num_tokens=',
     ),
     dict(
         name="ppo-value-loss-args-swapped",
@@ -182,8 +179,8 @@ MUTANTS = [
             "micro-batches are sliced from the epoch's permutation, not from the minibatch: "
             "every minibatch trains the same rows"
         ),
-        find="micro = mb_inds[micro_start : micro_start + args.micro_batch_size]",
-        replace="micro = b_inds[micro_start : micro_start + args.micro_batch_size]",
+        find="for micro in mb_inds.split(args.micro_batch_size):",
+        replace="for micro in torch.arange(N, device=device)[: len(mb_inds)].split(args.micro_batch_size):",
     ),
     dict(
         name="ppo-whiten-over-padding",
@@ -259,24 +256,19 @@ MUTANTS = [
     ),
     dict(
         name="ppo-critic-not-clipped",
-        file="ppo.py",
+        file="common.py",
         tests=["tests/test_ppo.py", "-k", "clipped_to_max_grad_norm"],
         what="the critic's gradient is never clipped",
-        find="clip_grad_norm_(model.parameters(), args.max_grad_norm)\n",
-        replace="clip_grad_norm_(model.parameters(), args.max_grad_norm if model is policy else float('inf'))\n",
+        find="clip_grad_norm_(model.parameters(), max_norm) for name",
+        replace="clip_grad_norm_(model.parameters(), max_norm if name == 'policy' else float('inf')) for name",
     ),
     dict(
         name="ppo-no-zero-grad",
         file="ppo.py",
         tests=REF_PPO,
         what="gradients never zeroed between minibatches: each optimizer step adds all earlier gradients",
-        find=(
-            "                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes\n"
-            "                    optimizer.zero_grad(set_to_none=True)\n"
-        ),
-        replace=(
-            "                    mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # its union over the processes\n"
-        ),
+        find="                optimizer.zero_grad(set_to_none=True)\n                updates.append([])\n",
+        replace="                updates.append([])\n",
     ),
     dict(
         name="ppo-explained-variance-swapped",
@@ -296,7 +288,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-stats-epochs-not-averaged",
-        file="machinery/bookkeeping.py",
+        file="common.py",
         tests=REF_PPO,
         what="the logged losses/ add up the optimizer steps of all epochs instead of averaging them",
         find="return {name: value.item() for name, value in zip(names, means.mean(0))}",
@@ -378,7 +370,7 @@ MUTANTS = [
     ),
     dict(
         name="bookkeeping-preset-overrides-zero",
-        file="machinery/bookkeeping.py",
+        file="machinery/flags.py",
         tests=["tests/test_cli.py", "-k", "hub"],
         what="a field set to another value than its default (or given on the command line) still takes the hub default",
         find="if key not in given and getattr(args, key) == defaults[key]:",
@@ -466,9 +458,10 @@ MUTANTS = [
         file="grpo.py",
         tests=GRADIENTS_GRPO,
         what="gradients zeroed before every micro-batch: only the last micro-batch's gradient is applied",
-        find="                for micro in micro_batches:\n",
+        find="                for micro in mb_inds.split(args.micro_batch_size):\n",
         replace=(
-            "                for micro in micro_batches:\n                    optimizer.zero_grad(set_to_none=True)\n"
+            "                for micro in mb_inds.split(args.micro_batch_size):\n"
+            "                    optimizer.zero_grad(set_to_none=True)\n"
         ),
     ),
     dict(
@@ -493,12 +486,13 @@ MUTANTS = [
         tests=GRADIENTS_PPO,
         what="one permutation per step, reused by every epoch: the epochs draw the same minibatches",
         find=(
-            "            for epoch in range(args.update_epochs):\n"
-            "                b_inds = torch.randperm(N, device=device)\n"
+            "                for epoch in range(args.update_epochs)\n                for mb in torch.randperm(N, "
+            "device=device).split(N // args.num_minibatches)\n"
         ),
         replace=(
-            "            b_inds = torch.randperm(N, device=device)\n"
-            "            for epoch in range(args.update_epochs):\n"
+            "                for perm in [torch.randperm(N, device=device)]\n"
+            "                for epoch in range(args.update_epochs)\n"
+            "                for mb in perm.split(N // args.num_minibatches)\n"
         ),
     ),
     dict(
@@ -506,15 +500,15 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --update-epochs (equal defaults hide it)",
-        find="minibatch_size = N // args.num_minibatches",
-        replace="minibatch_size = N // args.update_epochs",
+        find=".split(N // args.num_minibatches)",
+        replace=".split(N // args.update_epochs)",
     ),
     dict(
         name="ppo-kl-coef-not-restored",
         file="ppo.py",
         tests=RESUME_EXACT,
         what="a resumed run restarts the adaptive KL coefficient from --kl-coef",
-        find='kl_coef = state["kl_coef"]',
+        find='kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef',
         replace="kl_coef = args.kl_coef",
     ),
     dict(
@@ -604,5 +598,166 @@ MUTANTS = [
         what="the tokenizer's own EOS is not added to the generation config's EOS ids",
         find="if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:",
         replace="if False:",
+    ),
+    # ------------------------------ sizes the tests once had equal, and the first and last prefix or position of a loop
+    dict(
+        name="grpo-dynamic-rows-stride-of-prompts",
+        file="grpo.py",
+        tests=DYNAMIC,
+        what="dynamic sampling's row index steps by prompts_per_step instead of group_size (equal sizes hide it)",
+        find="rows = (groups[:, None] * args.group_size + torch.arange(args.group_size))",
+        replace="rows = (groups[:, None] * args.prompts_per_step + torch.arange(args.group_size))",
+    ),
+    dict(
+        name="grpo-dynamic-rows-of-prompts",
+        file="grpo.py",
+        tests=DYNAMIC,
+        what="dynamic sampling keeps prompts_per_step rows of each group instead of its group_size rows",
+        find="rows = (groups[:, None] * args.group_size + torch.arange(args.group_size))",
+        replace="rows = (groups[:, None] * args.group_size + torch.arange(args.prompts_per_step))",
+    ),
+    dict(
+        name="grpo-dynamic-groups-of-prompts",
+        file="grpo.py",
+        tests=DYNAMIC,
+        what="dynamic sampling judges groups of prompts_per_step rows, not group_size, as informative",
+        find='informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0',
+        replace='informative = lambda: batch["rewards"].view(-1, args.prompts_per_step).std(1) > 0',
+    ),
+    dict(
+        name="grpo-dynamic-count-from-group-size",
+        file="grpo.py",
+        tests=DYNAMIC,
+        what="dynamic sampling keeps group_size groups instead of prompts_per_step",
+        find="sample(), args.prompts_per_step // dist.world_size(), 1",
+        replace="sample(), args.group_size // dist.world_size(), 1",
+    ),
+    dict(
+        name="scoring-causal-skips-first-prefix",
+        file="machinery/scoring.py",
+        tests=CAUSAL,
+        what="the causal check never compares the first prefix (one token)",
+        find="for k, total in enumerate(totals):",
+        replace="for k, total in list(enumerate(totals))[1:]:",
+    ),
+    dict(
+        name="scoring-causal-skips-last-prefix",
+        file="machinery/scoring.py",
+        tests=CAUSAL,
+        what="the causal check never scores the last prefix (all but the last token)",
+        find="n = len(ends) - 1  # the last prefix is the completion itself",
+        replace="n = len(ends) - 2  # the last prefix is the completion itself",
+    ),
+    dict(
+        name="scoring-causal-skips-last-total",
+        file="machinery/scoring.py",
+        tests=CAUSAL,
+        what="the causal check scores the last prefix but never compares its total",
+        find="for k, total in enumerate(totals):",
+        replace="for k, total in list(enumerate(totals))[:-1]:",
+    ),
+    dict(
+        name="scoring-causal-checks-first-row",
+        file="machinery/scoring.py",
+        tests=CAUSAL,
+        what="the causal check runs on the batch's first dense completion, not its longest",
+        find="i = max(dense, key=lambda i: len(ids[i]))",
+        replace="i = dense[0]",
+    ),
+    dict(
+        name="grpo-informative-groups-of-prompts",
+        file="grpo.py",
+        tests=GROUP_LOGS,
+        what="charts/informative_groups counts groups of prompts_per_step rows",
+        find="groups = all_rewards.view(-1, args.group_size)  # [prompts, G]",
+        replace="groups = all_rewards.view(-1, args.prompts_per_step)  # [prompts, G]",
+    ),
+    dict(
+        name="grpo-samples-printed-per-prompts",
+        file="grpo.py",
+        tests=GROUP_LOGS,
+        what="--sample-every prints every prompts_per_step-th row, not the first of each group",
+        find="common.print_samples(step, sampled, args.group_size, args.sample_every)",
+        replace="common.print_samples(step, sampled, args.prompts_per_step, args.sample_every)",
+    ),
+    dict(
+        name="grpo-prompts-of-group-size",
+        file="common.py",
+        tests=GROUP_LOGS,
+        what="each step keeps group_size of its prompts_per_step prompts (more prompts than a group: fewer rows)",
+        find="[dist.rows(args.prompts_per_step // dist.world_size())]",
+        replace="[dist.rows(getattr(args, 'group_size', args.prompts_per_step) // dist.world_size())]",
+    ),
+    dict(
+        name="grpo-sum-norm-batch-width",
+        file="grpo.py",
+        tests=["tests/test_grpo.py", "-k", "bias_corrected"],
+        what="Dr. GRPO's constant normaliser uses the batch's longest completion instead of max_new_tokens",
+        find="args.loss_agg, total_seqs, total_tokens, args.max_new_tokens)",
+        replace="args.loss_agg, total_seqs, total_tokens, mask.shape[1])",
+    ),
+    dict(
+        name="ppo-minibatch-from-samples",
+        file="ppo.py",
+        tests=GRADIENTS_PPO,
+        what="the minibatch size computed from --samples-per-prompt instead of --num-minibatches",
+        find=".split(N // args.num_minibatches)",
+        replace=".split(N // args.samples_per_prompt)",
+    ),
+    dict(
+        name="ppo-samples-printed-per-prompts",
+        file="ppo.py",
+        tests=CONTROLLER,
+        what="--sample-every prints every prompts_per_step-th row, not the first of each prompt's samples",
+        find="common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)",
+        replace="common.print_samples(step, sampled, args.prompts_per_step, args.sample_every)",
+    ),
+    dict(
+        name="ppo-gae-skips-last-position",
+        file="ppo.py",
+        tests=["tests/test_ppo.py", "-k", "gae"],
+        what="GAE's backward loop starts one position before the end",
+        find="for t in reversed(range(T)):",
+        replace="for t in reversed(range(T - 1)):",
+    ),
+    dict(
+        name="ppo-gae-skips-first-position",
+        file="ppo.py",
+        tests=["tests/test_ppo.py", "-k", "gae"],
+        what="GAE's backward loop stops before the first position",
+        find="for t in reversed(range(T)):",
+        replace="for t in reversed(range(1, T)):",
+    ),
+    dict(
+        name="common-generate-last-columns",
+        file="common.py",
+        tests=["tests/test_generate.py"],
+        what="the completion is the last max_new_tokens columns: prompt tokens when every row stops early",
+        find="completion_ids = out[:, prompt_ids.shape[1] :]",
+        replace="completion_ids = out[:, -max_new_tokens:]",
+    ),
+    dict(
+        name="common-shared-prompt-length-of-completion",
+        file="common.py",
+        tests=["tests/test_logprobs.py", "-k", "shared_prompt"],
+        what="the shared prompt cache is given the completion's width as the prompt's length",
+        find="position_ids, input_ids.shape[1] - T)",
+        replace="position_ids, T)",
+    ),
+    dict(
+        name="model-checks-micro-batch-uncapped",
+        file="machinery/model_checks.py",
+        tests=["tests/test_bad_input_numbers_sizes_models.py", "-k", "step_bytes"],
+        what="the memory bound counts a micro-batch larger than the batch at its full size",
+        find="min(args.micro_batch_size, rows) * args.max_new_tokens",
+        replace="args.micro_batch_size * args.max_new_tokens",
+    ),
+    dict(
+        name="model-checks-micro-batch-and-length-swapped",
+        file="machinery/model_checks.py",
+        tests=["tests/test_bad_input_numbers_sizes_models.py", "-k", "step_bytes"],
+        what="the memory bound caps max_new_tokens at the batch's rows instead of the micro-batch",
+        find="min(args.micro_batch_size, rows) * args.max_new_tokens",
+        replace="min(args.max_new_tokens, rows) * args.micro_batch_size",
     ),
 ]

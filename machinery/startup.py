@@ -1,0 +1,117 @@
+"""A run's start-up, read in one direction: everything a run can be refused for is checked in `start`, in one pass
+and before any weight loads (the flags, the model names, the critic's vocabulary and the memory bound, the task,
+the device and precision, the checkpoint to resume); then the run folder is made, the dumps started, the settings
+printed and the seeds set. The loaders after it (`load_policy`, `load_scorer`, `make_optimizer`, `resume`) build
+what both algorithms hold, in the order grpo.py and ppo.py call them.
+"""
+
+import os
+import time
+import types
+
+import torch
+
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision
+from machinery import distributed as dist
+from machinery.errors import UsageError
+
+MODEL_FLAGS = ("model", "critic_model", "reward_model")  # the Args fields that name a model, where a script has them
+
+
+def start(script, args, hub_defaults, flags_given, check_args, load_task):
+    """Apply the hub defaults, check everything, then make the run folder. Returns the run: its task, device,
+    dtype, checkpoint state (None unless --resume), folder and start time."""
+    preset = flags.apply_hub_defaults(args, hub_defaults, flags_given)
+    check_args(args)
+    check_model_names(args)
+    task = load_task(args.task)
+    device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
+    dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
+    state = checkpoints.load_checkpoint(args.resume, script, args, task) if args.resume else None
+    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
+    dumps.start_dumps(args, script, run_dir)
+    flags.print_settings(args, run_dir, preset, hub_defaults)
+    bookkeeping.seed_everything(args.seed + dist.rank(), args.deterministic)  # each process its own completions
+    return types.SimpleNamespace(
+        task=task, device=device, dtype=dtype, state=state, run_dir=run_dir, start_time=time.time()
+    )
+
+
+def check_model_names(args):
+    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
+    --critic-model whose vocabulary is not the policy's, and a step that cannot fit in this machine's memory."""
+    from transformers import AutoConfig
+
+    for field in MODEL_FLAGS:
+        if getattr(args, field, None) is not None:  # tiny too: built before torchrun's processes join (dist.init)
+            models.resolve_model_path(getattr(args, field), flags.flag(field))
+    if getattr(args, "critic_model", None) not in (None, args.model):
+        check_same_vocabulary(args.model, args.critic_model)
+    config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
+    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def check_same_vocabulary(model, critic):
+    """A --critic-model whose vocabulary is not the policy's: its embeddings would read other tokens, or none."""
+    from transformers import AutoConfig
+
+    vocabulary = models.load_tokenizer(model).get_vocab()
+    path = models.resolve_model_path(critic)
+    has_tokenizer = not os.path.isdir(path) or any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if has_tokenizer and models.load_tokenizer(critic).get_vocab() != vocabulary:
+        raise UsageError(
+            f"--critic-model {critic!r} has another vocabulary than --model {model!r}: "
+            "pick a critic of the same model family (same tokenizer)"
+        )
+    size = models.from_pretrained(AutoConfig, path).get_text_config().vocab_size
+    if size < len(vocabulary):
+        raise UsageError(
+            f"--critic-model {critic!r} embeds {size} tokens, fewer than the {len(vocabulary)} of "
+            f"--model {model!r}'s tokenizer: pick a critic of the same model family"
+        )
+
+
+def load_policy(args, device):
+    """(tokenizer, policy): float32 master weights (autocast computes in --dtype); with --lora-rank a frozen base
+    with trained low-rank adapters (lora.py); with --gradient-checkpointing, activations recomputed."""
+    tokenizer = models.load_tokenizer(args.model, args.system_prompt)
+    policy = lora.wrap(models.load_causal_lm(args.model, device), args)
+    if args.gradient_checkpointing:
+        precision.set_activation_checkpointing(policy, True)
+    return tokenizer, policy
+
+
+def load_scorer(args, run, tokenizer, policy):
+    """(scorer, eos_ids): the --reward-model, or else the task, that scores completions; the task's prompts checked
+    against the tokenizer and the model's context first; the token ids that end a completion."""
+    scorer = models.RewardModel(args.reward_model, run.device, run.dtype) if args.reward_model else run.task
+    models.check_vocabulary(tokenizer, run.task, args.model)
+    models.check_prompt_length(tokenizer, run.task, policy, args.model, args.max_new_tokens, args.chat_template)
+    return scorer, models.eos_token_ids(policy, tokenizer)
+
+
+def make_optimizer(trained, learning_rates, args, param_groups):
+    """AdamW over the trained models (each at its own learning rate; `param_groups`: which weights decay), and
+    the linear warmup of --warmup-steps."""
+    groups = [
+        dict(group, lr=learning_rates[name])
+        for name, model in trained.items()
+        for group in param_groups(model, args.weight_decay, args.decay_norms_and_biases)
+    ]
+    optimizer = torch.optim.AdamW(groups)
+    warmup = lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+
+
+def resume(args, run, trained, optimizer, scheduler, sampler, loaders):
+    """(first step, history): 1 and an empty history, or with --resume the checkpoint's weights (each trained
+    model from its own folder, built by `loaders[name]`), optimizer, schedule, prompt order, RNG states and
+    history."""
+    if not args.resume:
+        return 1, {"score": [], "length": [], "tokens": 0}
+    for name, model in trained.items():
+        lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
+    return checkpoints.restore_state(run.state, optimizer, scheduler, sampler)

@@ -1,0 +1,114 @@
+"""The layout the README promises: the top level holds the entry points only, every module is listed in the
+README's import order, each imports only modules listed below it, and no module (benchmarks included) imports
+itself back through a circle. Imports are read with `ast`, inside functions too."""
+
+import ast
+import glob
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("machinery", "tasks", "verifier")
+
+
+def readme_order():
+    """The paths of the README's Layout block, top to bottom."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = text.split("\n## Layout\n", 1)[1].split("```\n", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+def module_path(name):
+    """The repository file a dotted module name is, or None (the standard library, a package installed)."""
+    parts = name.split(".")
+    for candidate in (os.path.join(*parts) + ".py", os.path.join(*parts, "__init__.py")):
+        if os.path.isfile(os.path.join(ROOT, candidate)):
+            return candidate.replace(os.sep, "/")
+    return None
+
+
+def imported_files(path, extra_roots=()):
+    """The repository files the module at `path` imports; `extra_roots`: folders also on its sys.path (the
+    benchmarks import each other by their bare names)."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [[alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [
+                [f"{node.module}.{alias.name}", node.module] for alias in node.names
+            ]  # a module, or a name in one
+    found = set()
+    for candidates in names:
+        for name in candidates:
+            target = module_path(name) or next(
+                (f"{root}/{name}.py" for root in extra_roots if os.path.isfile(os.path.join(ROOT, root, f"{name}.py"))),
+                None,
+            )
+            if target:
+                found.add(target)
+                break
+    return found - {path, "machinery/__init__.py", "verifier/__init__.py"}  # the packages' docstrings import nothing
+
+
+def modules():
+    files = glob.glob(os.path.join(ROOT, "*.py")) + [
+        p for package in PACKAGES for p in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
+    ]
+    paths = sorted(os.path.relpath(p, ROOT).replace(os.sep, "/") for p in files)
+    return [p for p in paths if p not in ("machinery/__init__.py", "verifier/__init__.py")]
+
+
+def test_the_top_level_holds_the_entry_points_only():
+    top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert len(top) <= 5 and set(top) <= {"grpo.py", "ppo.py", "common.py", "verify.py", "reward_model.py"}, top
+
+
+def test_every_module_is_in_the_readme_order():
+    order = readme_order()
+    assert len(order) == len(set(order)), "a module listed twice"
+    assert sorted(order) == modules(), (sorted(set(modules()) - set(order)), sorted(set(order) - set(modules())))
+
+
+def test_each_module_imports_only_modules_below_it():
+    order = readme_order()
+    position = {path: i for i, path in enumerate(order)}
+    upward = [
+        f"{path} imports {target}, listed above it"
+        for path in order
+        for target in sorted(imported_files(path))
+        if position.get(target, len(order)) <= position[path]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_circle_among_modules_and_benchmarks():
+    paths = modules() + sorted(
+        os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    )
+    graph = {path: imported_files(path, extra_roots=("benchmarks",)) for path in paths}
+    state, circles = {}, []
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for path in paths:
+        if path not in state:
+            visit(path, [path])
+    assert not circles, circles
+
+
+def test_the_import_reader_sees_imports_inside_functions_and_modules_named_by_from(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("import os\nfrom pkg.a import f\n")
+    monkeypatch.setitem(globals(), "ROOT", str(tmp_path))
+    assert imported_files("pkg/a.py") == {"pkg/b.py"}
+    assert imported_files("pkg/b.py") == {"pkg/a.py"}
