@@ -45,7 +45,8 @@ row compared passed or differs by a known difference accepted within its bound; 
 (the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, ends the process, does not compile,
 returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd); 4 INCOMPLETE: no
 row failed, but too little was compared for a pass (the line says what was and why the rest was skipped);
-130 interrupted. The checks run in a child process (verifier/isolation.py): an adapter that ends it is exit 3.
+130 interrupted. The checks run in a child process (verifier/isolation.py): an adapter that ends it is exit 3
+(128 + N where a signal N killed it outside any adapter call: 137, out of memory).
 
 An adapter is a Python file that defines some of these functions (a check whose function is missing, or
 raises NotImplementedError(reason), is skipped). `args` is the run's Args as a dict, plus "script" ("grpo" or
