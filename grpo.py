@@ -319,8 +319,11 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
-            advantages = compute_advantages(dict(rewards=all_rewards), args)[dist.rows(len(rewards))]  # [N]
-            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, advantages=advantages, ref_logp=b_ref_logp)
+            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, ref_logp=b_ref_logp)
+            # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
+            tensors = dict(b_rollout, old_logp=b_old_logp, rewards=all_rewards)
+            advantages = compute_advantages(common.entry_batch("compute_advantages", tensors), args)
+            b_rollout["advantages"] = advantages = advantages[dist.rows(len(rewards))]  # [N], this process's rows
             batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
 
         # OPTIMIZE: num_iterations optimizer steps, each on the whole batch in order, accumulated over micro-batches.
@@ -339,7 +342,8 @@ def main(args, flags_given=()):
                             policy, *rows(micro), args.temperature, return_entropy=True
                         )  # [n, T]
                     outputs = dict(new_logp=new_logp)
-                    loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
+                    micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))
+                    loss, terms = compute_loss(outputs, micro_batch, args)
                     loss.backward()
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own

@@ -426,10 +426,12 @@ def main(args, flags_given=()):
                 eos_ids=torch.tensor(eos_ids, device=device),
                 kl_coef=torch.tensor(kl_coef),
             )
-            b_rewards, kl = compute_rewards(b_rollout, args, mean=dist.masked_mean)  # [N, T] each
-            b_advantages, b_returns = compute_advantages(
-                dict(b_rollout, rewards=b_rewards), args, mean=dist.masked_mean
+            # Each entry point gets its batch from common.entry_batch, as verify.py gives it.
+            b_rewards, kl = compute_rewards(
+                common.entry_batch("compute_rewards", b_rollout), args, mean=dist.masked_mean
             )
+            batch = common.entry_batch("compute_advantages", dict(b_rollout, rewards=b_rewards))
+            b_advantages, b_returns = compute_advantages(batch, args, mean=dist.masked_mean)  # [N, T] each
             b_rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
         # OPTIMIZE: update_epochs passes over the batch in a fresh order, num_minibatches optimizer steps per pass.
@@ -443,7 +445,8 @@ def main(args, flags_given=()):
             )
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for mb_inds in minibatches:
-                mb_batch = dict(b_rollout, num_tokens=dist.sum(int(b_mask[mb_inds].sum())))  # the minibatch's tokens
+                mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # the minibatch's, under torchrun every process's
+                mb_batch = dict(b_rollout, num_seqs=len(mb_inds), num_tokens=mb_tokens)
                 optimizer.zero_grad(set_to_none=True)
                 updates.append([])
                 for micro in mb_inds.split(args.micro_batch_size):
@@ -453,7 +456,8 @@ def main(args, flags_given=()):
                         )  # [n, T]; the entropy is a constant (logged) unless it is in the loss
                         new_values = token_values(critic, *rows(micro))  # [n, T]
                     outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
-                    loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)
+                    micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))
+                    loss, terms = compute_loss(outputs, micro_batch, args)
                     loss.backward()
                     updates[-1].append(dict(terms, micro_index=micro, minibatch_index=mb_inds))
                 grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own

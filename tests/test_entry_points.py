@@ -52,11 +52,6 @@ def keys_by_entry_point(path):
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the loops do not build their entry points' batches with common.entry_batch yet (issue 29, point 8: the "
-    "lead wires them; then drop this mark)",
-)
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_the_loop_and_verify_give_each_entry_point_the_same_keys(capsys, monkeypatch, tmp_path, script):
     module = grpo if script == "grpo" else ppo
