@@ -140,16 +140,17 @@ def load_reward_model(name, device):
 
 
 def check_lengths(tokenizer, pairs, limit, model_name):
-    """Refuse a pair whose longer half, as the reward model reads it, overflows the model's positions."""
+    """Refuse a pair whose prompt and chosen or rejected completion, as the reward model reads them, overflow the
+    model's positions."""
     halves = [(pair["prompt"], pair[key]) for pair in pairs for key in ("chosen", "rejected")]
     texts, templated = models.reward_texts(tokenizer, *zip(*halves))
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if limit and lengths[longest] > limit:
-        pair = pairs[longest // 2]
+        pair, key = pairs[longest // 2], ("chosen", "rejected")[longest % 2]
         raise UsageError(
-            f"{pair.get('where', 'a synthetic pair')}: the pair is {lengths[longest]} tokens as the reward model reads "
-            f"it, more than the {limit} positions of {model_name!r}: shorten it or leave it out"
+            f"{pair.get('where', 'a synthetic pair')}: its prompt and {key} completion are {lengths[longest]} tokens "
+            f"as the reward model reads them, more than the {limit} positions of {model_name!r}: shorten or drop it"
         )
 
 

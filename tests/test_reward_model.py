@@ -217,7 +217,9 @@ def test_bad_pairs_are_one_line_errors_naming_the_line(row, message, tmp_path):
 
 def test_a_pair_longer_than_the_context_is_refused(tmp_path):
     path = write_pairs(tmp_path, [*good_rows(5), {"prompt": "1=", "chosen": "1" * 300, "rejected": "2"}])
-    with pytest.raises(UsageError, match=r"line 6: the pair is 302 tokens .* more than the 256 positions"):
+    with pytest.raises(
+        UsageError, match=r"line 6: its prompt and chosen completion are 302 tokens .* more than the 256 positions"
+    ):
         reward_model.main(reward_model.Args(task=f"jsonl:{path}", output_dir=str(tmp_path)))
 
 
@@ -233,6 +235,31 @@ def test_a_reward_model_with_two_outputs_is_refused_by_ppo_and_grpo(tmp_path):
         with pytest.raises(UsageError) as error:
             module.main(module.Args(reward_model=folder, num_steps=2, output_dir=str(tmp_path)))
         assert str(error.value) == f"--reward-model {folder!r} has 2 outputs: a reward model has 1"
+
+
+def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
+    """benchmarks/rlhf.py's per-step figures from a PPO dump: the learnt reward is the dump's score, the gold reward
+    that of its completions, the KL 0 at step 1 (the policy is the reference) and not after an update."""
+    import importlib.util
+
+    import common
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "rlhf.py")
+    spec = importlib.util.spec_from_file_location("rlhf", path)
+    rlhf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rlhf)
+    dump_dir = str(tmp_path / "dump")
+    flags = dict(num_steps=2, prompts_per_step=8, sample_every=0, learning_rate=0.05, output_dir=str(tmp_path))
+    ppo.main(ppo.Args(reward_model=trained, dump_dir=dump_dir, **flags))
+    rows = rlhf.curves(dump_dir)
+    dump = load_file(os.path.join(dump_dir, "step000002.safetensors"))
+    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    prompts = tokenizer.batch_decode(dump["prompt_ids"], skip_special_tokens=True)
+    texts = common.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], [1])
+    gold = [graded_copy_reward(p, c, p[:-1]) for p, c in zip(prompts, texts)]
+    assert rows.shape == (2, 4) and rows[1, 0].item() == pytest.approx(dump["scores"].mean().item())
+    assert rows[1, 1].item() == pytest.approx(sum(gold) / len(gold)) and rows[0, 2].item() == 0.0
+    assert rows[1, 2].item() > 0.01
 
 
 # ---------------------------------------------------------------------------------------------------
