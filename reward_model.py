@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from tqdm import tqdm
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, lora, models, precision
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision
 from machinery.errors import UsageError
 from tasks.preferences import load_pairs
 
@@ -83,22 +82,18 @@ class Args:
 
 # On a model other than tiny, these replace the defaults above; a flag given on the command line wins.
 HUB_DEFAULTS = dict(
-    num_pairs=2048,
-    max_new_tokens=64,
-    num_steps=200,
-    batch_size=32,
-    micro_batch_size=8,
-    learning_rate=1e-5,
+    num_pairs=2048, max_new_tokens=64, num_steps=200, batch_size=32, micro_batch_size=8, learning_rate=1e-5
 )
+SCRIPT = "reward_model"  # names its checkpoints and logs
 
 
 def check_args(args):
     for name, value in vars(args).items():
-        bookkeeping.check_magnitude(name, value)
-    bookkeeping.check_positive(args, "num_pairs", "max_new_tokens", "num_steps", "batch_size", "micro_batch_size")
-    bookkeeping.check_range(args, "in (0, 1)", "learning_rate")
-    bookkeeping.check_range(args, "> 0", "label_beta", "max_grad_norm")
-    bookkeeping.check_range(args, ">= 0", "weight_decay", "warmup_steps", "eval_every", "save_every")
+        flags.check_magnitude(name, value)
+    flags.check_positive(args, "num_pairs", "max_new_tokens", "num_steps", "batch_size", "micro_batch_size")
+    flags.check_range(args, "in (0, 1)", "learning_rate")
+    flags.check_range(args, "> 0", "label_beta", "max_grad_norm")
+    flags.check_range(args, ">= 0", "weight_decay", "warmup_steps", "eval_every", "save_every")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed is {args.seed}: it must be in [0, 2**32)")
 
@@ -188,7 +183,7 @@ def sample_completions(model_name, device, dtype, max_new_tokens):
 
 
 def main(args, flags_given=()):
-    preset = bookkeeping.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
+    preset = flags.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
     check_args(args)
     models.resolve_model_path(args.model)  # a bad name is refused before anything else
     device = precision.pick_device()
@@ -198,9 +193,9 @@ def main(args, flags_given=()):
     sample = sample_completions(args.model, device, dtype, args.max_new_tokens) if args.task == "synthetic" else None
     train_pairs, test_pairs = load_pairs(args.task, sample, args.num_pairs, args.label_beta, args.seed)
     del sample  # the policy that sampled them
-    state = checkpoints.load_checkpoint(args.resume, "reward_model", args) if args.resume else None
+    state = checkpoints.load_checkpoint(args.resume, SCRIPT, args) if args.resume else None
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
-    bookkeeping.print_settings(args, run_dir, preset, HUB_DEFAULTS)
+    flags.print_settings(args, run_dir, preset, HUB_DEFAULTS)
 
     tokenizer = models.load_tokenizer(args.model)
     model = load_reward_model(args.model, device)  # float32 master weights, autocast to dtype
@@ -222,13 +217,7 @@ def main(args, flags_given=()):
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
-    pbar = tqdm(
-        range(first_step, args.num_steps + 1),
-        desc="reward_model",
-        dynamic_ncols=True,
-        initial=first_step - 1,
-        total=args.num_steps,
-    )
+    pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
         # OPTIMIZE: one step on batch_size pairs, accumulated over micro-batches.
         with timer("train"):
@@ -270,7 +259,7 @@ def main(args, flags_given=()):
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(
                 checkpoint_dir,
-                "reward_model",
+                SCRIPT,
                 args,
                 {"reward_model": model},
                 tokenizer,
@@ -281,7 +270,7 @@ def main(args, flags_given=()):
                 history=history,
             )
         if stop.name:
-            stop.exit(step, writer, "reward_model")
+            stop.exit(step, writer, SCRIPT)
 
     final_dir = os.path.join(run_dir, "final")
     checkpoints.save_model(model, tokenizer, final_dir, step=args.num_steps)  # AutoModelForSequenceClassification
@@ -297,4 +286,4 @@ def main(args, flags_given=()):
 
 
 if __name__ == "__main__":
-    bookkeeping.run_main(lambda: main(*bookkeeping.parse_args(Args, HUB_DEFAULTS)))
+    bookkeeping.run_main(lambda: main(*flags.parse_args(Args, HUB_DEFAULTS)))

@@ -19,7 +19,6 @@ Runs already finished in --runs-dir are kept, so a stopped benchmark continues w
 
 import argparse
 import glob
-import json
 import os
 import re
 import statistics
@@ -33,7 +32,7 @@ sys.path.insert(0, REPO)
 FIGURE = os.path.join(REPO, "docs", "lesson", "rlhf.png")
 SEEDS = (1, 2, 3)
 PPO_KL_COEFS = (0.02, 0.2, 1.0)  # 0.02: ppo.py's default; the reward model's scores span about 8 units
-STEPS = {"ppo": 80, "grpo": 120}  # GRPO's steps are cheaper (no critic, one pass); both settle well before the end
+STEPS = {"ppo": 80, "grpo": 120}  # GRPO's steps are cheaper (no critic, one pass): about the same wall time
 WINDOW = 5  # steps averaged into one point of a curve
 QUICK_RM, TABULATE = [], False  # --quick: a smoke test of the whole pipeline (1 seed, a few steps); --tabulate
 RUNS = {f"ppo-kl{kl:g}": ("ppo", ["--kl-coef", str(kl)], f"PPO, KL coef {kl:g}") for kl in PPO_KL_COEFS}
@@ -133,6 +132,8 @@ def measure(runs_dir, name):
                 kl_at_peak=kl[peak].item(),
                 peak_step=(peak + 1) * WINDOW,
                 gold_end=gold[-1].item(),
+                learnt_start=learnt[0].item(),
+                learnt_end=learnt[-1].item(),
                 learnt_after_peak=(learnt[-1] - learnt[peak]).item(),
                 gold_after_peak=(gold[-1] - gold[peak]).item(),
                 kl_end=kl[-1].item(),
@@ -178,8 +179,8 @@ def span(values, fmt="{:.3f}"):
 def table(measured, rms, seconds):
     print("\nreward models (default run): held-out accuracy " + span([r["accuracy"] for r in rms]))
     print("  seconds each: " + ", ".join(f"{r['seconds']:.0f}" for r in rms))
-    header = "| run | gold at start | gold peak | sqrt(KL) at the peak | gold at the end | sqrt(KL) at the end |"
-    header += " learnt reward after the peak | gold after the peak | seconds per run |"
+    header = "| run | gold reward: first window, peak, last | sqrt(KL) at the gold peak, at the end |"
+    header += " learnt reward: first window, last | after the gold peak: learnt, gold | seconds per run |"
     print("\n" + header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, (_, figures) in measured.items():
@@ -187,13 +188,10 @@ def table(measured, rms, seconds):
         root = lambda key: [max(v, 0) ** 0.5 for v in get(key)]  # noqa: E731
         cells = [
             RUNS[name][2],
-            span(get("gold_start")),
-            span(get("gold_peak")),
-            span(root("kl_at_peak"), "{:.2f}"),
-            span(get("gold_end")),
-            span(root("kl_end"), "{:.2f}"),
-            span(get("learnt_after_peak"), "{:+.2f}"),
-            span(get("gold_after_peak"), "{:+.3f}"),
+            f"{span(get('gold_start'))}; {span(get('gold_peak'))}; {span(get('gold_end'))}",
+            f"{span(root('kl_at_peak'), '{:.2f}')}; {span(root('kl_end'), '{:.2f}')}",
+            f"{span(get('learnt_start'), '{:.2f}')}; {span(get('learnt_end'), '{:.2f}')}",
+            f"{span(get('learnt_after_peak'), '{:+.2f}')}; {span(get('gold_after_peak'), '{:+.3f}')}",
             span(seconds[name], "{:.0f}"),
         ]
         print("| " + " | ".join(cells) + " |")
@@ -202,8 +200,13 @@ def table(measured, rms, seconds):
     print(
         f"at most {se:.4f} (its completions' spread); the peak, the highest of the windows, is biased up by about that."
     )
-    print("Per seed:")
-    print(json.dumps({name: figures for name, (_, figures) in measured.items()}, indent=1))
+    print("Per seed (gold reward peak at step, gold and learnt reward and sqrt(KL) at the end):")
+    for name, (_, figures) in measured.items():
+        for seed, f in zip(SEEDS, figures):
+            print(
+                f"  {RUNS[name][2]}, seed {seed}: gold peak {f['gold_peak']:.3f} at step {f['peak_step']}; end: gold "
+                f"{f['gold_end']:.3f}, learnt {f['learnt_end']:.2f}, sqrt(KL) {max(f['kl_end'], 0) ** 0.5:.2f}"
+            )
 
 
 def main():
@@ -219,10 +222,16 @@ def main():
         SEEDS, QUICK_RM = (1,), ["--num-steps", "20", "--num-pairs", "256"]
         STEPS.update(ppo=10, grpo=10)
     start, threads = time.time(), max(1, 2 // a.jobs)
-    with ThreadPoolExecutor(a.jobs) as pool:
-        rms = list(pool.map(lambda seed: reward_model_run(a.runs_dir, seed, threads), SEEDS))
+    with ThreadPoolExecutor(a.jobs) as pool:  # a seed's policy runs start once its reward model is trained
+        rm_futures = {seed: pool.submit(reward_model_run, a.runs_dir, seed, threads) for seed in SEEDS}
         jobs = [(name, seed) for seed in SEEDS for name in RUNS]
-        times = list(pool.map(lambda job: policy_run(a.runs_dir, *job, threads), jobs))
+
+        def policy(name, seed):
+            rm_futures[seed].result()  # submitted before any policy run: a worker is training it, or it is done
+            return policy_run(a.runs_dir, name, seed, threads)
+
+        futures = [pool.submit(policy, *job) for job in jobs]
+        rms, times = [rm_futures[seed].result() for seed in SEEDS], [f.result() for f in futures]
     if not a.tabulate:
         print(f"runs done in {time.time() - start:.0f} s")
     seconds = {name: [t for (n, _), t in zip(jobs, times) if n == name] for name in RUNS}
