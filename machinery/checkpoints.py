@@ -135,7 +135,8 @@ def data_fingerprint(examples):
     import hashlib
     import json
 
-    text = json.dumps([[example["prompt"], example["answer"]] for example in examples])
+    keys = ("prompt", "answer", "chosen", "rejected")  # a task's examples, or reward_model.py's pairs
+    text = json.dumps([[example[key] for key in keys if key in example] for example in examples])
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -262,9 +263,10 @@ def load_checkpoint(folder, script, args, task=None):
         raise UsageError(
             f"--resume {folder!r} is not a checkpoint (no state.pt in it): pass a run's checkpoint folder{hint}"
         )
-    if not isinstance(state, dict) or state.get("script") not in ("grpo", "ppo"):
+    if not isinstance(state, dict) or state.get("script") not in ("grpo", "ppo", "reward_model"):
         raise UsageError(
-            f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py or ppo.py: pass a run's checkpoint folder"
+            f"--resume {folder!r}: state.pt is not a checkpoint of grpo.py, ppo.py or reward_model.py: pass a run's "
+            "checkpoint folder"
         )
     if state["script"] != script:
         raise UsageError(

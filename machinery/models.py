@@ -431,22 +431,35 @@ class RewardModel:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def score(self, prompts, completions, answers):
-        templated = bool(self.tokenizer.chat_template)
-        if templated:
-            chats = [
-                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                for p, c in zip(prompts, completions)
-            ]
-            texts = self.tokenizer.apply_chat_template(chats, tokenize=False)
-        else:
-            texts = [p + c for p, c in zip(prompts, completions)]
         scores = []
         with torch.no_grad():
-            for i in range(0, len(texts), self.batch_size):
-                # A rendered template already holds its BOS: adding special tokens again would give two.
-                enc = self.tokenizer(
-                    texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=not templated
-                )
-                enc = enc.to(self.model.device)
+            for i in range(0, len(prompts), self.batch_size):
+                rows = slice(i, i + self.batch_size)
+                enc = reward_inputs(self.tokenizer, prompts[rows], completions[rows]).to(self.model.device)
                 scores += self.model(**enc).logits[:, 0].float().tolist()
         return scores
+
+
+def reward_texts(tokenizer, prompts, completions):
+    """The texts a reward model reads, and whether its chat template rendered them: each prompt and completion as
+    a user and an assistant turn when the tokenizer has a template, else the two strings joined. A prompt and a
+    completion given as lists of messages (conversational preference data) are one conversation, rendered as they
+    are. reward_model.py trains on exactly what RewardModel scores here."""
+    conversational = [isinstance(p, list) for p in prompts]
+    if not tokenizer.chat_template:
+        if any(conversational):
+            raise UsageError("conversational pairs (lists of messages) need a tokenizer with a chat template")
+        return [p + c for p, c in zip(prompts, completions)], False
+    chats = [
+        p + c if isinstance(p, list) else [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+        for p, c in zip(prompts, completions)
+    ]
+    return tokenizer.apply_chat_template(chats, tokenize=False), True
+
+
+def reward_inputs(tokenizer, prompts, completions):
+    """reward_texts tokenised, right-padded: a *ForSequenceClassification model reads each row's score at its last
+    token that is not the pad id. A rendered template already holds its BOS: adding special tokens again would give
+    two, so they are added to plain texts only."""
+    texts, templated = reward_texts(tokenizer, prompts, completions)
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)

@@ -23,6 +23,16 @@ def copy_reward(prompt, completion, answer):
     return hits / max(len(answer), len(completion))
 
 
+def graded_copy_reward(prompt, completion, answer):
+    """copy_reward with partial credit, the synthetic preference task's gold reward (tasks/preferences.py): each
+    place of the answer earns 1 - |a - c| / 9 for the digit c written where its digit a belongs (0 for anything
+    else), over the longer of answer and completion. Random characters get about 0.1; only the exact copy gets 1.
+    """
+    digits = "0123456789"
+    credit = sum(1 - abs(int(a) - int(c)) / 9 for a, c in zip(answer, completion) if a in digits and c in digits)
+    return credit / max(len(answer), len(completion), 1)
+
+
 def copy_dense_reward(prompt, completion, answer):
     """copy_reward credited causally: the character at i earns R(completion[:i+1]) - R(completion[:i]), R being
     copy_reward, on the token that writes it, as an (i, i + 1, value) span (potential-based shaping, Ng et al.

@@ -81,8 +81,12 @@ def parse_line(line):
     return json.loads(line, parse_float=Decimal, parse_int=Decimal, parse_constant=refuse_constant)
 
 
-def read_jsonl(path):
-    """The examples of a JSONL file, one {"prompt": ..., "answer": ...} object a line; blank lines are skipped.
+EXAMPLE_FORM = '{"prompt": "...", "answer": "..."}'
+
+
+def read_jsonl(path, check=check_example, form=EXAMPLE_FORM):
+    """The examples of a JSONL file, one {"prompt": ..., "answer": ...} object a line (or another `form`, each row
+    checked by `check(row, where)`); blank lines are skipped.
 
     Whatever Python cannot read (a line that is not UTF-8, NaN, nesting too deep to parse) is a UsageError
     naming the line.
@@ -112,14 +116,11 @@ def read_jsonl(path):
         except RecursionError:
             reason = "nested too deeply for Python to read"
         else:
-            examples.append(check_example(row, f"{path}, line {number}"))
+            examples.append(check(row, f"{path}, line {number}"))
             continue
-        raise UsageError(
-            f'{path}, line {number}: not valid JSON ({reason}); write one object like {{"prompt": "...", '
-            f'"answer": "..."}} per line'
-        )
+        raise UsageError(f"{path}, line {number}: not valid JSON ({reason}); write one object like {form} per line")
     if not examples:
-        raise UsageError(f'{path} is empty: write one {{"prompt": "...", "answer": "..."}} object per line')
+        raise UsageError(f"{path} is empty: write one {form} object per line")
     return examples
 
 

@@ -344,7 +344,7 @@ DAMAGES = {
     ),
     "not our state.pt": (
         lambda f: torch.save([1, 2], os.path.join(f, "state.pt")),
-        r"state\.pt is not a checkpoint of grpo\.py or ppo\.py",
+        r"state\.pt is not a checkpoint of grpo\.py, ppo\.py or reward_model\.py",
     ),
     "truncated state.pt": (
         lambda f: truncate(f, "state.pt"),
