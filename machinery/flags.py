@@ -181,6 +181,11 @@ def check_run_args(args):
             f"--learning-rate {args.learning_rate} times --weight-decay {args.weight_decay} is >= 1: every step would "
             "zero or flip the weights; lower --weight-decay"
         )
+    if args.system_prompt is not None and not args.chat_template:
+        raise UsageError(
+            "--system-prompt goes into the chat template's system turn, and --no-chat-template uses none: drop "
+            "--system-prompt, or write it into the task's prompts"
+        )
     if args.dump_dir == "":
         raise UsageError("--dump-dir is empty: pass a folder to dump into, or leave the flag out for no dumps")
     for name in ("eval_every", "save_every", "sample_every"):

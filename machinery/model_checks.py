@@ -90,6 +90,55 @@ def check_chat_template(tokenizer, name, chat_template):
         )
 
 
+SYSTEM_PROBE = "Probe system 3 * 4"  # a system message the chat template must render, under --system-prompt
+
+
+def check_system_prompt(tokenizer, name, chat_template, positions, max_new_tokens):
+    """--system-prompt (load_tokenizer keeps it as tokenizer.system_prompt) goes into the chat template's system
+    turn: refused where nothing takes it (--no-chat-template, a model without a chat template, a template that
+    raises on a system turn or leaves it out), and when its turn alone, with max_new_tokens, overflows the model's
+    `positions` (every prompt would): measured once, in characters first (each token is at most the vocabulary's
+    longest), so a prompt of 100,000 characters is refused in well under a second, never tokenized per prompt."""
+    system = getattr(tokenizer, "system_prompt", None)
+    if system is None:
+        return
+    if not (chat_template and tokenizer.chat_template):
+        why = "--no-chat-template uses none" if not chat_template else f"{name!r} has none"
+        raise UsageError(
+            f"--system-prompt goes into the chat template's system turn, and {why}: drop --system-prompt, or "
+            "write it into the task's prompts"
+        )
+    render = lambda text: tokenizer.apply_chat_template(
+        [{"role": "system", "content": text}, {"role": "user", "content": PROBE}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    try:
+        probe = render(SYSTEM_PROBE)
+    except Exception as e:  # a Jinja template can raise anything: Gemma's refuses a system turn
+        raise UsageError(
+            f"the chat template of {name!r} takes no system turn (it raised {type(e).__name__}: "
+            f"{one_line(e, 80)}): drop --system-prompt, or write it into the task's prompts"
+        ) from None
+    if SYSTEM_PROBE not in probe:
+        raise UsageError(
+            f"the chat template of {name!r} leaves the system turn out ({SYSTEM_PROBE!r} renders as "
+            f"{one_line(repr(probe), 80)}): drop --system-prompt, or write it into the task's prompts"
+        )
+    if not positions:
+        return
+    budget = positions - max_new_tokens
+    if len(system) > positions * max(map(len, tokenizer.get_vocab())):  # more tokens than positions, uncounted
+        tokens = f"{len(system):,} characters, more than the {positions:,} positions of {name!r} can hold"
+    else:
+        count = len(tokenizer(render(system).replace(PROBE, ""), add_special_tokens=False)["input_ids"])
+        if count <= budget:
+            return
+        tokens = f"{count:,} tokens in the chat template, and with --max-new-tokens {max_new_tokens} more than the "
+        tokens += f"{positions:,} positions of {name!r}"
+    raise UsageError(f"--system-prompt is {tokens}: shorten it (every prompt starts with it)")
+
+
 def machine_memory(device):
     """Bytes of memory a step can use at most: the GPU's total on CUDA, the machine's RAM on CPU."""
     if device.type == "cuda":

@@ -39,8 +39,9 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
 
 def check_model_names(args):
     """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; a
-    --critic-model whose vocabulary is not the policy's; LoRA flags that do not fit the models' layers; and a step
-    that cannot fit in this machine's memory (each read from the models' configs: no weight loads)."""
+    --critic-model whose vocabulary is not the policy's; a --system-prompt nothing takes, or too long; LoRA flags
+    that do not fit the models' layers; and a step that cannot fit in this machine's memory (each from the models'
+    configs and tokenizer: no weight loads)."""
     from transformers import AutoConfig
 
     for field in MODEL_FLAGS:
@@ -49,6 +50,10 @@ def check_model_names(args):
     if getattr(args, "critic_model", None) not in (None, args.model):
         check_same_vocabulary(args.model, args.critic_model)
     config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
+    if args.system_prompt is not None:  # its length against the positions, once, before any prompt is encoded
+        positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        tokenizer = models.load_tokenizer(args.model, args.system_prompt)
+        model_checks.check_system_prompt(tokenizer, args.model, args.chat_template, positions, args.max_new_tokens)
     lora.check_layers(args, model_checks.skeleton(config), args.model)
     critic_config = None
     if getattr(args, "vf_coef", 0) > 0:  # PPO's critic: its own backbone, from --critic-model or the policy's
