@@ -10,7 +10,7 @@ import sys
 import torch
 
 from machinery import gguf_convert, model_checks
-from machinery.errors import UsageError
+from machinery.errors import UsageError, one_line
 
 TINY_MODEL = "tiny"
 # The same tiny model as GPT-2, whose positions are learned and absolute: a position id that ignores left padding
@@ -104,11 +104,21 @@ def resolve_model_path(name, flag="--model"):
 
 
 def from_pretrained(loader, name, **kwargs):
+    """`loader.from_pretrained(name)`; anything it raises on a folder it cannot read, or a config or weights
+    transformers refuses (its own validation, a weights file that is not one), is one line naming the folder."""
     try:
         return loader.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"could not load {name!r} ({first_line}): check --model, the path or your network") from None
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except OSError as e:  # missing, unreadable, or not on the hub
+        raise UsageError(
+            f"could not load {name!r} ({one_line(e, 160)}): check --model, the path or your network"
+        ) from None
+    except Exception as e:  # noqa: BLE001 (transformers validates configs with many kinds of errors)
+        raise UsageError(
+            f"could not load {name!r}: its files are invalid ({type(e).__name__}: {one_line(e, 160)}): fix its "
+            "config.json or weights, or download the model again"
+        ) from None
 
 
 def quiet_transformers():
