@@ -189,6 +189,11 @@ def test_principle5_a_final_model_of_unknown_step_is_kept(three_steps, tmp_path)
     shutil.copytree(os.path.join(three_steps, "checkpoint"), run / "checkpoint")
     with pytest.raises(UsageError, match=r"holds the model of an unknown step"):
         checkpoints.check_later_results(str(run / "checkpoint"), 2, 9)
+    for written in ('{"step": 1e400}', '{"step": "3"}', '{"step": true}', '{"step": -1}', "[" * 100_000):
+        (run / "final" / checkpoints.FINAL_STEP).write_text(written)
+        assert checkpoints.final_step(str(run / "final")) is None
+        with pytest.raises(UsageError, match=r"unknown step, .*: move it away first \(its final_step\.json records no"):
+            checkpoints.check_later_results(str(run / "checkpoint"), 2, 9)
 
 
 def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, tmp_path):
