@@ -436,6 +436,66 @@ def test_principle3_a_chat_template_that_raises_or_drops_the_message(tiny_parts,
     model_checks.check_chat_template(tokenizer, "t", chat_template=False)  # --no-chat-template: not used
 
 
+TEMPLATES = {  # chat templates for the tiny tokenizer: one that takes a system turn, and two that do not
+    "takes": "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}",
+    "drops": "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }};{% endif %}{% endfor %}",
+    "raises": "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    "{{ m['content'] }}{% endfor %}",
+}
+
+
+def tiny_with_template(folder, template):
+    import shutil
+
+    shutil.copytree(models.resolve_model_path(models.TINY_MODEL), folder)
+    tokenizer = models.load_tokenizer(str(folder))
+    tokenizer.chat_template = TEMPLATES[template]
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "template, system, expected",
+    [
+        (None, "Be brief.", r"--system-prompt goes into the chat template's system turn, and 'tiny' has none: drop"),
+        ("drops", "Be brief.", r"the chat template of '.*' leaves the system turn out \('Probe system 3 \* 4' renders"),
+        ("raises", "Be brief.", r"the chat template of '.*' takes no system turn \(it raised \w+: no system\)"),
+        (
+            "takes",
+            "x" * 100_000,
+            r"--system-prompt is 100,000 characters, more than the 256 positions of '.*' can hold",
+        ),
+        ("takes", "x" * 250, r"--system-prompt is 2\d\d tokens in the chat template, and with --max-new-tokens 5 more"),
+    ],
+)
+def test_principle3_a_system_prompt_nothing_takes_or_too_long_is_refused_before_any_load(
+    template, system, expected, tmp_path, monkeypatch
+):
+    """Checked once, from the tokenizer and config alone: a 100,000-character one used to be tokenized with each
+    of the task's prompts, in one call that held off SIGTERM (no line in 120 s)."""
+    model = tiny_with_template(tmp_path / "m", template) if template else models.TINY_MODEL
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    started = time.monotonic()
+    with pytest.raises(UsageError, match=expected):
+        startup.check_model_names(grpo.Args(model=model, system_prompt=system))
+    assert time.monotonic() - started < 10
+    if template == "takes":
+        startup.check_model_names(grpo.Args(model=model, system_prompt="x" * 100))  # fits: accepted
+
+
+def test_principle3_prompts_are_tokenized_a_bounded_amount_a_call(tiny_tokenizer, monkeypatch):
+    """A signal is handled between calls into the tokenizer (native code holds it off): each call gets about
+    `chunk_chars` characters, one text at least."""
+    sizes, real = [], type(tiny_tokenizer).__call__
+    monkeypatch.setattr(
+        type(tiny_tokenizer), "__call__", lambda self, texts, **k: sizes.append(len(texts)) or real(self, texts, **k)
+    )
+    counts = models.token_counts(tiny_tokenizer, ["12"] * 10 + ["3" * 50], chat_template=False, chunk_chars=20)
+    made = list(sizes)  # the calls below are not token_counts'
+    assert counts == [len(tiny_tokenizer("12")["input_ids"])] * 10 + [len(tiny_tokenizer("3" * 50)["input_ids"])]
+    assert made == [10, 1]
+
+
 def documented_rows(heading):
     """(script, flags, line) of each `python SCRIPT.py FLAGS` row of a section of docs/bad_input.md."""
     import re
