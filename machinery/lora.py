@@ -56,7 +56,7 @@ def check_args(args):
         raise UsageError(f"--lora-rank is {args.lora_rank}: it must be a positive integer (0: full fine-tuning)")
     if args.lora_rank == 0:
         for name in LORA_FLAGS:
-            value = getattr(args, name)
+            value = tuple(getattr(args, name)) if name == "lora_target_modules" else getattr(args, name)  # or a list
             if value != getattr(type(args), name):
                 shown = " ".join(value) if isinstance(value, tuple) else "" if isinstance(value, bool) else value
                 raise UsageError(
