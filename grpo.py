@@ -130,18 +130,23 @@ def check_args(args):
     flags.check_positive(args, "num_iterations", "max_sampling_rounds")
     flags.check_range(args, ">= 0", "beta")
     flags.check_range(args, "> 0", "adv_eps")
+    scaled, dynamic = args.scale_rewards != "none", args.dynamic_sampling
+    flags.check_acts(args, "adv_eps", scaled, "when a std divides the advantages", "pass --scale-rewards group")
+    flags.check_acts(args, "max_sampling_rounds", dynamic, "with --dynamic-sampling", "add --dynamic-sampling")
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
 
 
-def dynamic_sampling(sample, args):
+def dynamic_sampling(sample, args, stopped=lambda: False):
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
     on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
     that differ, then keep those. After --max-sampling-rounds the batch is filled with equal-reward groups, so
-    every step has the same size (and, under torchrun, every process the same number of micro-batches).
+    every step has the same size (and, under torchrun, every process the same number of micro-batches); so it is
+    after a signal (`stopped()`, asked between rounds): the step ends, and the run saves and stops.
     Returns the batch and the number of rounds sampled."""
     batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
     informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # [groups]
-    while rounds < args.max_sampling_rounds and dist.any(int(informative().sum()) < n_groups):  # a process lacks some
+    more = lambda: not stopped() and dist.any(int(informative().sum()) < n_groups)  # a process lacks some
+    while rounds < args.max_sampling_rounds and more():
         batch, rounds = common.concat_batches(batch, sample()), rounds + 1
     informative = informative()
     groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
@@ -303,7 +308,7 @@ def main(args, flags_given=()):
             sample = lambda: common.rollout(
                 policy, tokenizer, scorer, prompts(), args.group_size, args, device, dtype, eos_ids
             )
-            sampled, rounds = dynamic_sampling(sample, args) if args.dynamic_sampling else (sample(), 1)
+            sampled, rounds = dynamic_sampling(sample, args, stop.requested) if args.dynamic_sampling else (sample(), 1)
             rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
             b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
             b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)

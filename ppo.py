@@ -151,6 +151,10 @@ def check_args(args):
     flags.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
     flags.check_range(args, "in (0, 1)", "critic_learning_rate")
     flags.check_range(args, "> 0", "cliprange_value", "adv_eps")
+    flags.check_acts(args, "kl_horizon", args.target_kl is not None, "with --target-kl", "add --target-kl")
+    for name in ("critic_model", "critic_learning_rate", "cliprange_value"):
+        critic = "on the critic, and --vf-coef 0 loads none"
+        flags.check_acts(args, name, args.vf_coef > 0, critic, "raise --vf-coef above 0", HUB_DEFAULTS)
     if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
         raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
     if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon

@@ -9,6 +9,7 @@ format as one process (distributed.py); a checkpoint resumes with the number of 
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import random
 import shlex
@@ -21,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 
 from machinery import distributed as dist
-from machinery.errors import Interrupted, UsageError
+from machinery.errors import Interrupted, UsageError, shorten
 
 # Args that may differ between a checkpoint and the run resuming it: they do not change the trajectory.
 RESUMABLE_CHANGES = {
@@ -314,6 +315,12 @@ def load_checkpoint(folder, script, args, task=None):
             f"--resume {folder!r} was run with --{gone[0].replace('_', '-')}, which this version does not have: "
             "start a new run"
         )
+    if saved.get("lora_merged") and not args.lora_merged:
+        raise UsageError(
+            f"--resume {folder!r} was run with --lora-merged: pass it again, or its final-merged model would stay at "
+            "an older step than final"
+        )
+    check_history(folder, state)
     if task is not None and data_fingerprint(task.train) != state["data"]:
         raise UsageError(
             f"--resume {folder!r} was trained on other examples than task {task.name!r} gives now "
@@ -322,13 +329,40 @@ def load_checkpoint(folder, script, args, task=None):
     return state
 
 
+def check_history(folder, state):
+    """The history a run writes and the loop goes on with: a score and a length (finite numbers) for each step up to
+    the checkpoint's, and the tokens seen (a count); and PPO's KL coefficient, a finite number >= 0. An edited or
+    damaged state.pt (its own digest is not in the manifest) is refused here, not met as a traceback later."""
+    number = lambda x: type(x) in (int, float) and math.isfinite(x)
+    history, step = state.get("history"), state["step"]
+    problem = None
+    if not isinstance(history, dict) or not isinstance(step, int):
+        problem = "history is not a dict of lists"
+    elif not (type(history.get("tokens")) is int and history["tokens"] >= 0):
+        problem = f"history's token count is {shorten(history.get('tokens'), 40)}"
+    else:
+        for key in ("score", "length"):
+            values = history.get(key)
+            if not (isinstance(values, list) and len(values) == step and all(map(number, values))):
+                problem = f"history's {key} is not {step} finite numbers, one a step"
+                break
+    if problem is None and "kl_coef" in state and not (number(state["kl_coef"]) and state["kl_coef"] >= 0):
+        problem = f"the KL coefficient is {shorten(state['kl_coef'], 40)}"
+    if problem:
+        raise UsageError(
+            f"--resume {folder!r}: state.pt's {problem}, not what a run writes: the checkpoint was edited or is "
+            "damaged; restore it or start a new run"
+        )
+
+
 FINAL_STEP = "final_step.json"  # beside a final model: the step it was saved at
 LOCKS = []  # the open lock file of this process's run folder, held until the process exits
 
 
 def lock_run_folder(run_dir):
     """Hold an exclusive lock on the run folder (its .lock file) while this process runs: a second --resume of
-    the same checkpoint at once is refused, instead of two runs overwriting one another's checkpoints."""
+    the same checkpoint at once is refused, instead of two runs overwriting one another's checkpoints; so is a
+    run folder this process cannot write in (read-only)."""
     if not dist.is_main() or not os.path.isdir(run_dir) or any(path == run_dir for path, _ in LOCKS):
         return
     try:
@@ -339,8 +373,11 @@ def lock_run_folder(run_dir):
             f"the run folder {run_dir} is in use by another run (its .lock is held): wait for that run "
             "to end, or stop it, before resuming"
         ) from None
-    except OSError:
-        return  # a read-only run folder: nothing will be written into it to collide
+    except OSError as e:  # read-only, or not ours: the resumed run could write no checkpoint, log or model there
+        raise UsageError(
+            f"cannot write in the run folder {run_dir} ({e.strerror}): a resumed run writes its checkpoints, logs and "
+            "final model there; make it writable, or copy the run folder somewhere writable and resume the copy"
+        ) from None
     LOCKS.append((run_dir, handle))
 
 
@@ -353,9 +390,10 @@ def final_step(folder):
     """The step a final model folder was saved at; None if it has no record (saved by an older version)."""
     try:
         with open(os.path.join(folder, FINAL_STEP), encoding="utf-8") as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+            step = json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
+    return step if type(step) is int and step >= 0 else None  # 1e400 (inf), "3", true: not a step
 
 
 def check_later_results(folder, step, num_steps):
@@ -371,9 +409,10 @@ def check_later_results(folder, step, num_steps):
         path = os.path.join(run_dir, name)
         if os.path.isdir(path) and (final_step(path) or num_steps) >= num_steps:
             at = f"step {final_step(path)}" if final_step(path) else "an unknown step"
+            fix = ", or pass a larger --num-steps" if final_step(path) else f" (its {FINAL_STEP} records no step)"
             raise UsageError(
                 f"--resume {folder!r}: {path} holds the model of {at}, which resuming to --num-steps "
-                f"{num_steps} would overwrite: move it away first, or pass a larger --num-steps"
+                f"{num_steps} would overwrite: move it away first{fix}"
             )
 
 

@@ -6,14 +6,16 @@ import os
 
 import torch
 
+from machinery import checkpoints
 from machinery import distributed as dist
 from machinery.errors import UsageError
 
 
-def dump_batch(path, tensors):
+def dump_batch(path, tensors, checkpoint=None):
     """One safetensors file of named tensors (the batch dumps read by the verification snippet).
 
     A value may be a list of micro-batch pieces, concatenated here; None (a tensor the run has not) is left out.
+    A write that fails (a full disk) is one line naming the last good checkpoint (in folder `checkpoint`).
     """
     from safetensors.torch import save_file
 
@@ -22,13 +24,29 @@ def dump_batch(path, tensors):
         k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if v is not None
     }
     # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
-    save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
+    try:
+        save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)
+    except checkpoints.WRITE_ERRORS as e:
+        if os.path.isfile(path):  # never half a dump
+            os.remove(path)
+        raise checkpoints.write_failed(f"the dump {path}", checkpoint or "", e) from None
 
 
 def dump_step(dump_dir, step, tensors):
     """--dump-dir: one file a step (nothing without the flag)."""
     if dump_dir:
-        dump_batch(os.path.join(dump_dir, f"step{step:06d}.safetensors"), tensors)
+        dump_batch(os.path.join(dump_dir, f"step{step:06d}.safetensors"), tensors, run_checkpoint(dump_dir))
+
+
+def run_checkpoint(dump_dir):
+    """The checkpoint folder of the run that writes `dump_dir` (its metadata.json names the run folder)."""
+    import json
+
+    try:
+        with open(os.path.join(dump_dir, "metadata.json"), encoding="utf-8") as f:
+            return os.path.join(json.load(f)["run_dir"], "checkpoint")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def start_dumps(args, script, run_dir):
@@ -143,7 +161,7 @@ def check_finite(step, what, value, run_dir, tensors, micro_terms=None):
         os.path.join(run_dir, f"nonfinite_step{step}{rank}.safetensors"),
         os.path.join(run_dir, "checkpoint"),
     )
-    dump_batch(dump_path, tensors)
+    dump_batch(dump_path, tensors, checkpoint)
     where = f"the last good checkpoint is {checkpoint}" if os.path.isdir(checkpoint) else "no checkpoint was saved yet"
     term, fix = (
         cause(what, tensors, micro_terms)

@@ -76,6 +76,16 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def check_acts(args, name, active, needs, enable, hub_defaults=None):
+    """Refuse flag `name` set to a value of its own while it cannot act (`active` false): `needs` says when it
+    acts, `enable` how to make it. Its declared default, or its hub default, changes nothing: passing it is fine."""
+    value, defaults = getattr(args, name), [getattr(type(args), name)]
+    defaults += [hub_defaults[name]] if name in (hub_defaults or {}) else []
+    if not active and value not in defaults:
+        shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+        raise UsageError(f"{flag(name)} {shown} acts only {needs}, so it would change nothing: {enable}, or drop it")
+
+
 def check_positive(args, *names):
     for name in names:
         if getattr(args, name) < 1:
@@ -100,7 +110,7 @@ def check_range(args, rule, *names):
 MAX_FLOAT, MIN_FLOAT, MAX_INT = 1e6, 1e-30, 2**31 - 1
 
 
-FLOORS = {  # flags that leave the weights as they are, or the log-probs meaningless, outside a range of their own
+FLOORS = {  # flags with a range of their own: outside it the weights stay as they are, or a step never ends
     "temperature": (
         1e-2,
         1e2,
@@ -118,6 +128,12 @@ FLOORS = {  # flags that leave the weights as they are, or the log-probs meaning
         None,
         "it must be at least 1e-8: AdamW moves each weight by about that much a "
         "step, and a float32 weight of size w does not move by less than 6e-8 * w",
+    ),
+    "max_sampling_rounds": (
+        1,
+        100,
+        "at most 100: each round samples another --prompts-per-step x --group-size completions; a task whose "
+        "groups rarely differ needs a larger --group-size or an easier task, not more rounds",
     ),
     "max_grad_norm": (
         1e-6,
@@ -180,6 +196,11 @@ def check_run_args(args):
         raise UsageError(
             f"--learning-rate {args.learning_rate} times --weight-decay {args.weight_decay} is >= 1: every step would "
             "zero or flip the weights; lower --weight-decay"
+        )
+    if args.system_prompt is not None and not args.chat_template:
+        raise UsageError(
+            "--system-prompt goes into the chat template's system turn, and --no-chat-template uses none: drop "
+            "--system-prompt, or write it into the task's prompts"
         )
     if args.dump_dir == "":
         raise UsageError("--dump-dir is empty: pass a folder to dump into, or leave the flag out for no dumps")

@@ -24,7 +24,7 @@ import types
 import torch
 
 from machinery import distributed as dist
-from machinery import models
+from machinery import model_checks, models
 from machinery.errors import UsageError
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's names, so PeftModel.from_pretrained reads the folder
@@ -45,14 +45,24 @@ def import_peft():
     return peft
 
 
+LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_merged")  # they act only with --lora-rank
+
+
 def check_args(args):
     """One line for LoRA flags that cannot work: a rank below 0, an alpha or dropout out of range, no target
-    modules, LoRA under torchrun, or --lora-merged without LoRA."""
+    modules, LoRA under torchrun, or a LoRA flag set away from its default without --lora-rank (it could not
+    act; passing the default itself changes nothing)."""
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}: it must be a positive integer (0: full fine-tuning)")
     if args.lora_rank == 0:
-        if args.lora_merged:
-            raise UsageError("--lora-merged saves a LoRA policy merged into its base: it needs --lora-rank above 0")
+        for name in LORA_FLAGS:
+            value = tuple(getattr(args, name)) if name == "lora_target_modules" else getattr(args, name)  # or a list
+            if value != getattr(type(args), name):
+                shown = " ".join(value) if isinstance(value, tuple) else "" if isinstance(value, bool) else value
+                raise UsageError(
+                    f"--{name.replace('_', '-')} {shown}".strip() + " acts only on LoRA adapters, and --lora-rank "
+                    "is 0 (every weight trains): add --lora-rank (16, say), or drop the flag"
+                )
         return
     if not args.lora_alpha > 0:
         raise UsageError(f"--lora-alpha is {args.lora_alpha}: it must be > 0 (the update is alpha / rank * B A)")
@@ -69,6 +79,40 @@ def check_args(args):
     import_peft()
 
 
+def check_layers(args, model, name, flag="--model", critic=False):
+    """Before any weight loads, on the model's skeleton (model_checks.skeleton; None: not checked here): refuse a
+    --lora-target-modules name that matches no layer peft can adapt (peft would adapt the others and drop it
+    silently), naming the layers there are; an adapter on an input embedding tied to the output head, or on that
+    head (peft unties the pair: the saved or merged model would not compute what was trained); and a --lora-rank
+    above what any adapted layer can use (B A of a layer [out, in] has rank at most min(out, in); a larger one
+    only allocates). A `critic`'s backbone has no output head: its names are checked on the policy."""
+    if not args.lora_rank or model is None:
+        return
+    targets = tuple(args.lora_target_modules)
+    layers = model_checks.adapted_layers(model, targets)
+    for target in targets if targets != ("all-linear",) and not critic else ():
+        if not any(model_checks.targeted(layer, [target]) for layer in layers):
+            raise UsageError(
+                f"--lora-target-modules {target} names no linear or embedding layer of {flag} {name!r}: its "
+                f"linear layers are {' '.join(linear_names(model))}; fix the name, or keep all-linear"
+            )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight  # tie_word_embeddings
+    pair = [key for key, layer in layers.items() if tied and layer in (head, model.get_input_embeddings())]
+    if pair:
+        raise UsageError(
+            f"--lora-target-modules adapts {pair[0]}, which {name!r} ties to its input embedding or output head "
+            "(tie_word_embeddings): an adapter unties the pair, so the saved and merged models would not be the "
+            "trained one: adapt its linear layers (keep all-linear, or name them)"
+        )
+    most = max((min(module.weight.shape) for module in layers.values()), default=args.lora_rank)
+    if args.lora_rank > most:
+        raise UsageError(
+            f"--lora-rank {args.lora_rank} is more than {most}, the highest rank any adapted layer of {flag} {name!r} "
+            f"can use (B A of a layer [out, in] has rank at most min(out, in)): pass at most {most} (8 to 64 is usual)"
+        )
+
+
 def lora_config(args, task_type):
     peft = import_peft()
     targets = list(_arg(args, "lora_target_modules", ("all-linear",)))
@@ -83,7 +127,9 @@ def lora_config(args, task_type):
 
 
 def linear_names(model):
-    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    linears = [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]
     return sorted({name.rsplit(".", 1)[-1] for name in linears})
 
 
@@ -208,7 +254,7 @@ def merged_state_dict(model):
             with torch.no_grad():
                 weight = module.get_base_layer().weight + module.get_delta_weight("default")
             state_dict[prefix + "weight"] = weight.detach()
-            if module.get_base_layer().bias is not None:
+            if getattr(module.get_base_layer(), "bias", None) is not None:  # an embedding has none
                 state_dict[prefix + "bias"] = module.get_base_layer().bias.detach()
     for key, value in model.state_dict().items():
         if "lora_" not in key and ".base_layer." not in key:

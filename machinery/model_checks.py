@@ -32,7 +32,7 @@ def check_causal_and_finite(model, name, what="--model"):
                 f"{what} {name!r}: its weight {key} holds NaN or inf values: restore the model's "
                 "weights, or pass another model"
             )
-    embeddings = model.get_input_embeddings().num_embeddings
+    embeddings = embedding_rows(model)
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]], device=device) % embeddings
     with torch.no_grad():
@@ -47,10 +47,15 @@ def check_causal_and_finite(model, name, what="--model"):
     CHECKED.add(name)
 
 
+def embedding_rows(model):
+    """The number of token ids `model` embeds (its input embedding's rows, also under LoRA adapters on it)."""
+    return model.get_input_embeddings().weight.shape[0]
+
+
 def check_token_ids(model, tokenizer, eos_ids, name):
     """Every id the tokenizer can write, and every EOS id, must have an embedding: an id past the embedding
     indexes out of range (a device-side assert on GPU)."""
-    embeddings = model.get_input_embeddings().num_embeddings
+    embeddings = embedding_rows(model)
     if len(tokenizer) > embeddings:
         raise UsageError(
             f"the tokenizer of {name!r} has {len(tokenizer)} tokens, but its model embeds only "
@@ -85,6 +90,55 @@ def check_chat_template(tokenizer, name, chat_template):
         )
 
 
+SYSTEM_PROBE = "Probe system 3 * 4"  # a system message the chat template must render, under --system-prompt
+
+
+def check_system_prompt(tokenizer, name, chat_template, positions, max_new_tokens):
+    """--system-prompt (load_tokenizer keeps it as tokenizer.system_prompt) goes into the chat template's system
+    turn: refused where nothing takes it (--no-chat-template, a model without a chat template, a template that
+    raises on a system turn or leaves it out), and when its turn alone, with max_new_tokens, overflows the model's
+    `positions` (every prompt would): measured once, in characters first (each token is at most the vocabulary's
+    longest), so a prompt of 100,000 characters is refused in well under a second, never tokenized per prompt."""
+    system = getattr(tokenizer, "system_prompt", None)
+    if system is None:
+        return
+    if not (chat_template and tokenizer.chat_template):
+        why = "--no-chat-template uses none" if not chat_template else f"{name!r} has none"
+        raise UsageError(
+            f"--system-prompt goes into the chat template's system turn, and {why}: drop --system-prompt, or "
+            "write it into the task's prompts"
+        )
+    render = lambda text: tokenizer.apply_chat_template(
+        [{"role": "system", "content": text}, {"role": "user", "content": PROBE}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    try:
+        probe = render(SYSTEM_PROBE)
+    except Exception as e:  # a Jinja template can raise anything: Gemma's refuses a system turn
+        raise UsageError(
+            f"the chat template of {name!r} takes no system turn (it raised {type(e).__name__}: "
+            f"{one_line(e, 80)}): drop --system-prompt, or write it into the task's prompts"
+        ) from None
+    if SYSTEM_PROBE not in probe:
+        raise UsageError(
+            f"the chat template of {name!r} leaves the system turn out ({SYSTEM_PROBE!r} renders as "
+            f"{one_line(repr(probe), 80)}): drop --system-prompt, or write it into the task's prompts"
+        )
+    if not positions:
+        return
+    budget = positions - max_new_tokens
+    if len(system) > positions * max(map(len, tokenizer.get_vocab())):  # more tokens than positions, uncounted
+        tokens = f"{len(system):,} characters, more than the {positions:,} positions of {name!r} can hold"
+    else:
+        count = len(tokenizer(render(system).replace(PROBE, ""), add_special_tokens=False)["input_ids"])
+        if count <= budget:
+            return
+        tokens = f"{count:,} tokens in the chat template, and with --max-new-tokens {max_new_tokens} more than the "
+        tokens += f"{positions:,} positions of {name!r}"
+    raise UsageError(f"--system-prompt is {tokens}: shorten it (every prompt starts with it)")
+
+
 def machine_memory(device):
     """Bytes of memory a step can use at most: the GPU's total on CUDA, the machine's RAM on CPU."""
     if device.type == "cuda":
@@ -92,13 +146,69 @@ def machine_memory(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def step_bytes(args, config, world_size=1):
-    """A lower bound on the bytes one step of these Args holds at once, and its parts, from the model's config.
+def skeleton(config, backbone=False):
+    """The model `config` describes, built on the meta device (its modules and shapes, no memory; well under a
+    second for a 7B model): AutoModelForCausalLM, or with `backbone` AutoModel (a critic's). None for a config
+    neither builds: models.load_causal_lm refuses it, with its own line."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    Weights: the policy in float32 with its gradient and AdamW's two moments (16 bytes a parameter), a reference
-    (4), a critic (16). Generation: each process's N completions of at least max_new_tokens + 1 positions keep
-    a key and a value per layer (KV cache), and their logits over the vocabulary at each sampled token. The
-    update: a micro-batch's logits, their log-softmax and gradient (3 float32 copies). Prompts count as 1 token.
+    try:
+        with torch.device("meta"):
+            return (AutoModel if backbone else AutoModelForCausalLM).from_config(config)
+    except Exception:  # noqa: BLE001 (any architecture transformers cannot build from this config)
+        return None
+
+
+def targeted(name, targets):
+    """Whether a module named `name` gets LoRA adapters under --lora-target-modules `targets`, by peft's rule for a
+    list of names: the module's full name is one of them, or ends with "." and one of them."""
+    return any(name == target or name.endswith("." + target) for target in targets)
+
+
+def adapted_layers(model, targets):
+    """{name: module} of the layers of `model` that --lora-target-modules `targets` gives adapters: all-linear is
+    every linear layer but the output head (peft's rule); names match linear and embedding layers (peft adapts no
+    other kind)."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if tuple(targets) == ("all-linear",):
+        return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
+    kinds = (torch.nn.Linear, Conv1D, torch.nn.Embedding)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds) and targeted(n, targets)}
+
+
+def lora_parameters(model, args):
+    """Parameters of the adapters --lora-rank R adds to `model`: A [R, in] and B [out, R] per adapted layer."""
+    rank, layers = getattr(args, "lora_rank", 0), adapted_layers(model, getattr(args, "lora_target_modules", ()))
+    return sum(rank * sum(m.weight.shape) for m in layers.values()) if rank else 0
+
+
+def model_bytes(model, args, trained, fallback):
+    """Bytes of one model's weights and optimizer state, float32: 16 a trained parameter (weight, gradient and
+    AdamW's two moments), 4 a frozen one. With --lora-rank a trained model's base is frozen and its adapters
+    train. `fallback`: the parameters counted for a config the meta device cannot build (the embedding alone)."""
+    params = sum(p.numel() for p in model.parameters()) if model is not None else fallback
+    if not trained:
+        return 4 * params
+    if getattr(args, "lora_rank", 0) and model is not None:
+        return 4 * params + 16 * lora_parameters(model, args)
+    return 16 * params
+
+
+def step_bytes(args, config, world_size=1, critic_config=None):
+    """A lower bound on the bytes one step of these Args holds at once, and its parts, from the models' configs.
+
+    The models, each counted on its skeleton (its exact parameters, no memory), float32: the policy (16 bytes a
+    parameter: weight, gradient, AdamW's two moments; with --lora-rank its base is frozen, 4, and its adapters 16);
+    the reference (4 a parameter) only when the KL coefficient (--beta, --kl-coef, --target-kl) is above 0, and
+    with LoRA none (it is the policy with its adapters off); PPO's critic only with --vf-coef above 0, from
+    `critic_config` (--critic-model's) or else the policy's, its backbone and value head counted as the policy is.
+    Under torchrun, FSDP shards every model: each process holds 1/world_size of them. Generation: each process's
+    N completions of at least max_new_tokens + 1 positions keep a key and a value per layer (KV cache, in the
+    forward's precision: 2 bytes unless --dtype float32) and their float32 logits over the vocabulary at each
+    sampled token. The update: a micro-batch's logits and their gradient, in the forward's precision (the float32
+    softmax runs a chunk at a time, common.token_logprobs). Prompts count as 1 token.
     """
     text = config.get_text_config()  # an architecture without one of these sizes counts it as 1: still a lower bound
     vocab, hidden, layers = (
@@ -107,36 +217,51 @@ def step_bytes(args, config, world_size=1):
     heads = getattr(text, "num_attention_heads", None) or 1
     kv_dim = getattr(text, "num_key_value_heads", None) or heads
     kv_dim = kv_dim * (getattr(text, "head_dim", None) or max(hidden // heads, 1))
-    inner = getattr(text, "intermediate_size", None) or 4 * hidden
-    params = vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
-    copies = (
-        16 + 4 * (getattr(args, "beta", 0) > 0 or getattr(args, "kl_coef", 0) > 0) + 16 * hasattr(args, "critic_model")
-    )
-    rows = args.prompts_per_step * getattr(args, "group_size", getattr(args, "samples_per_prompt", 1)) // world_size
-    length = args.max_new_tokens + 1
-    width = 4 if args.dtype in ("auto", "float32") else 2  # auto is float32 on CPU: the upper of the two
+    lora = getattr(args, "lora_rank", 0)
+    kl = getattr(args, "beta", 0) > 0 or getattr(args, "kl_coef", 0) > 0 or getattr(args, "target_kl", None)
+    policy = skeleton(config)
     parts = {
-        "weights and optimizer state": params * copies,
-        "the generation's KV cache": rows * length * layers * 2 * kv_dim * width,
-        "the generation's logits": rows * vocab * 4,
-        "a micro-batch's logits": min(args.micro_batch_size, rows) * args.max_new_tokens * vocab * 4 * 3,
+        "the policy's weights and optimizer state": model_bytes(policy, args, True, vocab * hidden),
+        "the reference's weights": model_bytes(policy, args, False, vocab * hidden) if kl and not lora else 0,
     }
+    if getattr(args, "vf_coef", 0) > 0:
+        critic_text = (critic_config or config).get_text_config()
+        critic_hidden = getattr(critic_text, "hidden_size", None) or 1
+        critic_fallback = (getattr(critic_text, "vocab_size", None) or 1) * critic_hidden
+        critic = model_bytes(skeleton(critic_config or config, backbone=True), args, True, critic_fallback)
+        parts["the critic's weights and optimizer state"] = critic + 16 * (critic_hidden + 1)  # + the value head
+    parts = {key: size // world_size for key, size in parts.items()}
+    rows = args.prompts_per_step * getattr(args, "group_size", getattr(args, "samples_per_prompt", 1)) // world_size
+    width = 4 if args.dtype == "float32" else 2  # auto: bfloat16 where the device computes it, the lower of the two
+    parts.update(
+        {
+            "the generation's KV cache": rows * (args.max_new_tokens + 1) * layers * 2 * kv_dim * width,
+            "the generation's logits": rows * vocab * 4,
+            "a micro-batch's logits": min(args.micro_batch_size, rows) * args.max_new_tokens * vocab * width * 2,
+        }
+    )
     return sum(parts.values()), parts
 
 
-def check_step_fits(args, config, device, world_size=1):
+def check_step_fits(args, config, device, world_size=1, critic_config=None):
     """Refuse a step that cannot fit in this machine's memory even at the lower bound of step_bytes, with the
     numbers."""
-    need, parts = step_bytes(args, config, world_size)
+    need, parts = step_bytes(args, config, world_size, critic_config)
     have = machine_memory(device)
     if need > have:
         biggest = max(parts, key=parts.get)
         where = "GPU memory" if device.type == "cuda" else "memory (RAM)"
         group = "--group-size" if hasattr(args, "group_size") else "--samples-per-prompt"
+        lora = "" if getattr(args, "lora_rank", 0) else "train LoRA adapters (--lora-rank 16), "
+        fixes = {
+            "the policy's weights and optimizer state": f"{lora}pick a smaller --model, or shard it (torchrun)",
+            "the reference's weights": f"{lora}set the KL coefficient to 0 (no reference), or pick a smaller --model",
+            "the critic's weights and optimizer state": f"{lora}pick a smaller --critic-model, or set --vf-coef 0",
+        }
+        fix = fixes.get(biggest, f"lower --prompts-per-step, {group}, --max-new-tokens or --micro-batch-size")
         raise UsageError(
             f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "
-            f"{gib(have)} GiB of {where}: lower --prompts-per-step, {group}, --max-new-tokens or "
-            "--micro-batch-size"
+            f"{gib(have)} GiB of {where}: {fix}"
         )
 
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from machinery import gguf_convert, model_checks
-from machinery.errors import UsageError
+from machinery.errors import UsageError, one_line
 
 TINY_MODEL = "tiny"
 # The same tiny model as GPT-2, whose positions are learned and absolute: a position id that ignores left padding
@@ -104,11 +104,21 @@ def resolve_model_path(name, flag="--model"):
 
 
 def from_pretrained(loader, name, **kwargs):
+    """`loader.from_pretrained(name)`; anything it raises on a folder it cannot read, or a config or weights
+    transformers refuses (its own validation, a weights file that is not one), is one line naming the folder."""
     try:
         return loader.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"could not load {name!r} ({first_line}): check --model, the path or your network") from None
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except OSError as e:  # missing, unreadable, or not on the hub
+        raise UsageError(
+            f"could not load {name!r} ({one_line(e, 160)}): check --model, the path or your network"
+        ) from None
+    except Exception as e:  # noqa: BLE001 (transformers validates configs with many kinds of errors)
+        raise UsageError(
+            f"could not load {name!r}: its files are invalid ({type(e).__name__}: {one_line(e, 160)}): fix its "
+            "config.json or weights, or download the model again"
+        ) from None
 
 
 def quiet_transformers():
@@ -314,17 +324,24 @@ def check_vocabulary(tokenizer, task, model_name):
             raise UsageError(f"{message}: {advice}")
 
 
-def token_counts(tokenizer, texts, chat_template=None):
+def token_counts(tokenizer, texts, chat_template=None, chunk_chars=2**20):
     """Tokens of each text, one at a time (no padding): as generation encodes a prompt (chat_template True or
-    False, see common.encode_prompts), or as a completion writes an answer (None: no special tokens)."""
+    False, see common.encode_prompts), or as a completion writes an answer (None: no special tokens). Tokenized
+    about `chunk_chars` characters a call: a signal (Ctrl-C, SIGTERM) is handled between calls, never held up by
+    one long call into the tokenizer."""
     if not texts:
         return []
-    if chat_template is None:
-        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if chat_template and tokenizer.chat_template:
         texts = chat_texts(tokenizer, texts)
-        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    special = chat_template is not None and not (chat_template and tokenizer.chat_template)  # as encode_prompts
+    counts, start = [], 0
+    while start < len(texts):
+        end, size = start, 0
+        while end < len(texts) and (end == start or size + len(texts[end]) <= chunk_chars):
+            size, end = size + len(texts[end]), end + 1
+        counts += [len(ids) for ids in tokenizer(texts[start:end], add_special_tokens=special)["input_ids"]]
+        start = end
+    return counts
 
 
 def longest(tokenizer, texts, budget, chat_template=None, slack=8):

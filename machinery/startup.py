@@ -38,8 +38,10 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
 
 
 def check_model_names(args):
-    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; and a
-    --critic-model whose vocabulary is not the policy's, and a step that cannot fit in this machine's memory."""
+    """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; a
+    --critic-model whose vocabulary is not the policy's; a --system-prompt nothing takes, or too long; LoRA flags
+    that do not fit the models' layers; and a step that cannot fit in this machine's memory (each from the models'
+    configs and tokenizer: no weight loads)."""
     from transformers import AutoConfig
 
     for field in MODEL_FLAGS:
@@ -48,8 +50,19 @@ def check_model_names(args):
     if getattr(args, "critic_model", None) not in (None, args.model):
         check_same_vocabulary(args.model, args.critic_model)
     config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
+    if args.system_prompt is not None:  # its length against the positions, once, before any prompt is encoded
+        positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        tokenizer = models.load_tokenizer(args.model, args.system_prompt)
+        model_checks.check_system_prompt(tokenizer, args.model, args.chat_template, positions, args.max_new_tokens)
+    lora.check_layers(args, model_checks.skeleton(config), args.model)
+    critic_config = None
+    if getattr(args, "vf_coef", 0) > 0:  # PPO's critic: its own backbone, from --critic-model or the policy's
+        critic_config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.critic_model or args.model))
+        backbone = model_checks.skeleton(critic_config, backbone=True)
+        flag = "--critic-model" if args.critic_model else "--model"
+        lora.check_layers(args, backbone, args.critic_model or args.model, flag, critic=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
-    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)))
+    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)), critic_config)
 
 
 def check_same_vocabulary(model, critic):

@@ -162,10 +162,12 @@ def python_reward_and_examples(spec):
     naming the prompt and completion (Task.score).
     """
     usage = "write python:FILE.py:FUNCTION or python:FILE.py:FUNCTION@DATA.jsonl"
-    target, _, data = spec.partition("@")
-    path, _, function = target.rpartition(":")
-    if not path.endswith(".py") or not function.isidentifier():
-        raise UsageError(f"task python:{spec}: {usage}")
+    # FUNCTION is an identifier, so the first ":FUNCTION" after ".py" ends the file's name, which may hold @ or :.
+    form = re.fullmatch(r"(?P<path>.+?\.py):(?P<function>[^\W\d]\w*)(?:@(?P<data>.+))?", spec)
+    if form is None:
+        raise UsageError(f"task python:{spec}: {usage} (the file's name ends in .py, the function is a Python name)")
+    path, function, data = form["path"], form["function"], form["data"]
+    target = f"{path}:{function}"
     if not os.path.isfile(path):
         raise UsageError(f"task python:{spec}: there is no file {path!r}; check the path ({usage})")
     module = import_file(path)

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -99,6 +100,25 @@ BAD_INPUTS = [
         "--resume {grpo_checkpoint} --learning-rate 1e-3",
         r"was run with --learning-rate 0.0005, not 0.001: drop the flag",
     ),
+    # flags that cannot act, hangs and tracebacks of round four
+    ("grpo", "--lora-alpha 16", r"--lora-alpha 16.0 acts only on LoRA adapters, and --lora-rank is 0"),
+    ("grpo", "--max-sampling-rounds 5", r"--max-sampling-rounds 5 acts only with --dynamic-sampling"),
+    (
+        "grpo",
+        "--dynamic-sampling --max-sampling-rounds 1000000000",
+        r"--max-sampling-rounds is 1000000000: at most 100",
+    ),
+    ("grpo", "--lora-rank 4 --lora-target-modules q_proj nosuch_proj", r"nosuch_proj names no linear or embedding"),
+    ("grpo", "--lora-rank 1000000000", r"--lora-rank 1000000000 is more than 128, the highest rank"),
+    ("grpo", "--lora-rank 4 --lora-target-modules embed_tokens", r"adapts model\.embed_tokens, which 'tiny' ties"),
+    ("grpo", "--system-prompt hi", r"--system-prompt goes into the chat template's system turn, and 'tiny' has none"),
+    ("grpo", "--model {templated} --system-prompt {long_system}", r"--system-prompt is 100,000 characters, more than"),
+    (
+        "grpo",
+        "--model {invalid_config}",
+        r"could not load .*: its files are invalid \(StrictDataclass\w+: .*layer_types",
+    ),
+    ("grpo", "--reward-model {garbage_weights}", r"could not load .*garbage-weights.*: its files are invalid \(Safet"),
     # hardware
     ("grpo", "--dtype float16", r"--dtype float16 would need loss scaling, .*: use --dtype bfloat16 or float32"),
 ]
@@ -121,6 +141,19 @@ def inputs(tmp_path_factory):
     garbage.mkdir()
     (garbage / "config.json").write_text("{ this is not json")
     files["garbage_model"] = str(garbage)
+    files["long_system"] = "x" * 100_000  # one word: each prompt tokenized with it took 0.2 s, in one call for all
+    tiny = models.resolve_model_path(models.TINY_MODEL)
+    for name in ("templated", "invalid-config", "garbage-weights"):
+        shutil.copytree(tiny, tmp / name)
+        files[name.replace("-", "_")] = str(tmp / name)
+    tokenizer = models.load_tokenizer(files["templated"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+    tokenizer.save_pretrained(files["templated"])
+    config = json.loads((tmp / "invalid-config" / "config.json").read_text())
+    (tmp / "invalid-config" / "config.json").write_text(json.dumps(dict(config, layer_types=["full_attention"])))
+    config = dict(config, architectures=["Qwen2ForSequenceClassification"], num_labels=1)
+    (tmp / "garbage-weights" / "config.json").write_text(json.dumps(config))
+    (tmp / "garbage-weights" / "model.safetensors").write_bytes(b"\x00garbage" * 100)
 
     for script, module in (("grpo", grpo), ("ppo", ppo)):  # the defaults, so only the flag under test differs
         output_dir = tmp / f"{script}-runs"

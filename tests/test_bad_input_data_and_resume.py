@@ -350,6 +350,24 @@ DAMAGES = {
         lambda f: truncate(f, "state.pt"),
         r"state\.pt cannot be read \(\w+\): the checkpoint is corrupt",
     ),
+    "history's scores cut": (
+        lambda f: edit_state(f, lambda s: s["history"].update(score=[])),
+        r"state\.pt's history's score is not 1 finite numbers, one a step, not what a run writes: the checkpoint was "
+        "edited or is damaged",
+    ),
+    "history's token count a string": (
+        lambda f: edit_state(f, lambda s: s["history"].update(tokens="many")),
+        r"state\.pt's history's token count is 'many'",
+    ),
+    "history's length NaN": (
+        lambda f: edit_state(f, lambda s: s["history"].update(length=[float("nan")])),
+        r"state\.pt's history's length is not 1 finite numbers",
+    ),
+    "history gone": (lambda f: edit_state(f, lambda s: s.update(history=None)), r"history is not a dict of lists"),
+    "--lora-merged dropped on resume": (
+        lambda f: edit_state(f, lambda s: s["args"].update(lora_merged=True)),
+        r"was run with --lora-merged: pass it again, or its final-merged model would stay at an older step than final",
+    ),
 }
 
 

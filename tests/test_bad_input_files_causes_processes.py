@@ -189,6 +189,11 @@ def test_principle5_a_final_model_of_unknown_step_is_kept(three_steps, tmp_path)
     shutil.copytree(os.path.join(three_steps, "checkpoint"), run / "checkpoint")
     with pytest.raises(UsageError, match=r"holds the model of an unknown step"):
         checkpoints.check_later_results(str(run / "checkpoint"), 2, 9)
+    for written in ('{"step": 1e400}', '{"step": "3"}', '{"step": true}', '{"step": -1}', "[" * 100_000):
+        (run / "final" / checkpoints.FINAL_STEP).write_text(written)
+        assert checkpoints.final_step(str(run / "final")) is None
+        with pytest.raises(UsageError, match=r"unknown step, .*: move it away first \(its final_step\.json records no"):
+            checkpoints.check_later_results(str(run / "checkpoint"), 2, 9)
 
 
 def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, tmp_path):
@@ -321,3 +326,77 @@ def test_principle8_two_resumes_of_one_checkpoint_at_once(three_steps, monkeypat
     checkpoints.lock_run_folder(three_steps)  # free again once the other run ends
     checkpoints.release_locks()
     assert json.load(open(os.path.join(three_steps, "final", checkpoints.FINAL_STEP))) == {"step": 3}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full disks and read-only folders, for real: a tmpfs mounted in a private user and mount namespace.
+# ---------------------------------------------------------------------------------------------------
+
+
+def in_namespace(script):
+    """Run the shell `script` as root of a private user and mount namespace (`unshare -rm`), where it may mount a
+    tmpfs of its own; skipped where the kernel or the container allows none."""
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -rm (user namespaces) to mount a small tmpfs")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_principle6_a_dump_on_a_full_disk_is_one_line(tmp_path):
+    """safetensors' own error (SafetensorError: I/O error: No space left on device) names the dump and the last
+    good checkpoint; no half-written dump is left."""
+    import sys
+
+    mount, script = tmp_path / "full", tmp_path / "dump.py"
+    script.write_text(
+        "import sys, torch\nfrom machinery import dumps\nfrom machinery.errors import UsageError\n"
+        "try:\n    dumps.dump_batch(sys.argv[1] + '/step1.safetensors', {'a': torch.zeros(100000)}, sys.argv[1])\n"
+        "except UsageError as e:\n    print(e)\n"
+    )
+    mount.mkdir()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = in_namespace(
+        f"mount -t tmpfs -o size=16k tmpfs {mount} && cd {repo} && PYTHONPATH={repo} {sys.executable} {script} {mount}"
+        f" && ls {mount}"
+    )
+    assert result.stdout.splitlines()[0] == (
+        f"could not write the dump {mount}/step1.safetensors (Error while serializing: I/O error: No space left on "
+        "device (os error 28)); no checkpoint was saved before: free some disk space and start again"
+    ), result.stdout + result.stderr
+    assert result.stdout.splitlines()[1:] == []  # nothing left on the disk
+
+
+def test_principle8_resume_of_a_read_only_run_folder_is_one_line(three_steps, tmp_path):
+    """Before this round the lock's failure was ignored, and the run died in TensorBoard's writer (a traceback)."""
+    import sys
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = in_namespace(
+        f"mount -t tmpfs tmpfs {mount} && cp -r {three_steps} {mount}/run && mount -o remount,ro {mount} && "
+        f"cd {repo} && {sys.executable} grpo.py --prompts-per-step 4 --group-size 2 --max-new-tokens 3 "
+        f"--sample-every 0 --save-every 2 --num-steps 5 --resume {mount}/run/checkpoint"
+    )
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write in the run folder {mount}/run (Read-only file system): a resumed run writes its "
+        "checkpoints, logs and final model there; make it writable, or copy the run folder somewhere writable and "
+        "resume the copy"
+    ), result.stderr
+
+
+def test_principle7_a_reward_file_whose_name_holds_an_at_sign(tmp_path):
+    """python:FILE.py:FUNCTION[@DATA.jsonl]: the file's name ends at the first ".py:" that a Python name follows, so
+    rw@at.py is read as itself (it used to be told to "write python:FILE.py:FUNCTION", the form it was in)."""
+    (tmp_path / "rw@at.py").write_text(
+        "EXAMPLES = [{'prompt': '1=', 'answer': '1'}]\ndef fn(p, c, a):\n    return 1.0\n"
+    )
+    (tmp_path / "d@ta.jsonl").write_text('{"prompt": "2=", "answer": "2"}\n')
+    reward, examples = user_tasks.python_reward_and_examples(f"{tmp_path}/rw@at.py:fn")
+    assert reward("1=", "1", "1") == 1.0 and examples == [{"prompt": "1=", "answer": "1"}]
+    _, examples = user_tasks.python_reward_and_examples(f"{tmp_path}/rw@at.py:fn@{tmp_path}/d@ta.jsonl")
+    assert [example["prompt"] for example in examples] == ["2="]
+    with pytest.raises(UsageError, match=r"write python:FILE\.py:FUNCTION .*\(the file's name ends in \.py, the "):
+        user_tasks.python_reward_and_examples(f"{tmp_path}/rw.txt:fn")

@@ -111,6 +111,88 @@ def test_principle1_ranges(module, flags, expected):
     assert str(e.value).startswith(expected), str(e.value)
 
 
+CANNOT_ACT = [
+    (grpo, dict(lora_alpha=16.0), "--lora-alpha 16.0 acts only on LoRA adapters, and --lora-rank is 0"),
+    (grpo, dict(lora_dropout=0.1), "--lora-dropout 0.1 acts only on LoRA adapters"),
+    (ppo, dict(lora_target_modules=("q_proj",)), "--lora-target-modules q_proj acts only on LoRA adapters"),
+    (grpo, dict(lora_merged=True), "--lora-merged acts only on LoRA adapters"),
+    (
+        grpo,
+        dict(max_sampling_rounds=5),
+        "--max-sampling-rounds 5 acts only with --dynamic-sampling, so it would change",
+    ),
+    (grpo, dict(scale_rewards="none", adv_eps=1e-6), "--adv-eps 1e-06 acts only when a std divides the advantages"),
+    (ppo, dict(kl_horizon=500), "--kl-horizon 500 acts only with --target-kl"),
+    (ppo, dict(vf_coef=0.0, critic_model="tiny"), "--critic-model tiny acts only on the critic, and --vf-coef 0"),
+    (ppo, dict(vf_coef=0.0, critic_learning_rate=1e-4), "--critic-learning-rate 0.0001 acts only on the critic"),
+    (ppo, dict(vf_coef=0.0, cliprange_value=0.5), "--cliprange-value 0.5 acts only on the critic"),
+    (grpo, dict(system_prompt="Be brief.", chat_template=False), "--system-prompt goes into the chat template's"),
+    (grpo, dict(dynamic_sampling=True, max_sampling_rounds=10**9), "--max-sampling-rounds is 1000000000: at most 100"),
+]
+
+
+@pytest.mark.parametrize("module, flags, expected", CANNOT_ACT, ids=[str(f) for _, f, _ in CANNOT_ACT])
+def test_principle1_a_flag_that_cannot_act_is_refused(module, flags, expected):
+    with pytest.raises(UsageError) as e:
+        module.check_args(module.Args(**flags))
+    assert str(e.value).startswith(expected), str(e.value)
+
+
+def test_principle1_a_flag_given_its_default_is_no_reason_to_refuse():
+    """Passing a flag's declared default (or its hub default) changes nothing: accepted without its partner."""
+    grpo.check_args(grpo.Args(lora_alpha=32.0, lora_target_modules=("all-linear",), max_sampling_rounds=3))
+    args = ppo.Args(model="some/model", vf_coef=0.0, critic_learning_rate=ppo.HUB_DEFAULTS["critic_learning_rate"])
+    ppo.check_args(args)
+    grpo.check_args(grpo.Args(dynamic_sampling=True, max_sampling_rounds=100))
+
+
+LAYERS = [
+    (
+        dict(lora_target_modules=("q_proj", "nosuch_proj")),
+        "--lora-target-modules nosuch_proj names no linear or "
+        "embedding layer of --model 'tiny': its linear layers are down_proj gate_proj k_proj lm_head o_proj q_proj "
+        "up_proj v_proj; fix the name, or keep all-linear",
+    ),
+    (
+        dict(lora_rank=10**9),
+        "--lora-rank 1000000000 is more than 128, the highest rank any adapted layer of --model 'tiny' can use",
+    ),
+    (
+        dict(lora_target_modules=("embed_tokens",)),
+        "--lora-target-modules adapts model.embed_tokens, which 'tiny' ties "
+        "to its input embedding or output head (tie_word_embeddings)",
+    ),
+    (dict(lora_target_modules=("q_proj", "lm_head")), "--lora-target-modules adapts lm_head, which 'tiny' ties"),
+]
+
+
+@pytest.mark.parametrize("flags, expected", LAYERS, ids=[str(f) for f, _ in LAYERS])
+def test_principle1_lora_flags_are_checked_against_the_layers_before_any_load(flags, expected, monkeypatch):
+    """On the model's skeleton (the meta device): no weight loads, no allocation (a rank of 1e9 allocated 512 GB)."""
+    pytest.importorskip("peft")
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    args = grpo.Args(**{"lora_rank": 4, **flags})
+    grpo.check_args(args)
+    with pytest.raises(UsageError) as e:
+        startup.check_model_names(args)
+    assert str(e.value).startswith(expected), str(e.value)
+    startup.check_model_names(grpo.Args(lora_rank=128, lora_target_modules=("q_proj", "v_proj")))  # the most, fine
+    startup.check_model_names(ppo.Args(lora_rank=4, lora_target_modules=("q_proj",)))  # the critic's layers too
+
+
+def test_principle1_dynamic_sampling_stops_between_rounds_on_a_signal():
+    """Groups that never differ: sampling goes on to --max-sampling-rounds, or stops at the round where `stopped`
+    says a signal came; either way the batch is one step's (prompts_per_step groups)."""
+    args = grpo.Args(prompts_per_step=2, group_size=2, dynamic_sampling=True, max_sampling_rounds=100)
+    calls = []
+    sample = lambda: calls.append(1) or dict(rewards=torch.ones(4), completion_mask=torch.ones(4, 3))
+    batch, rounds = grpo.dynamic_sampling(sample, args)
+    assert rounds == len(calls) == 100 and len(batch["rewards"]) == 4
+    calls.clear()
+    batch, rounds = grpo.dynamic_sampling(sample, args, stopped=lambda: len(calls) >= 3)
+    assert rounds == len(calls) == 3 and len(batch["rewards"]) == 4
+
+
 # ---------------------------------------------------------------------------------------------------
 # Principle 2: algorithm state stays valid.
 # ---------------------------------------------------------------------------------------------------
@@ -468,3 +550,23 @@ def test_principle8_a_second_sigterm_stops_a_step_that_hangs_in_user_code(tmp_pa
     assert stderr.strip().splitlines()[-1] == (
         "SIGTERM again: stopped at once, in the middle of a step; no checkpoint was saved"
     ), stderr
+
+
+def test_principle8_sigterm_during_dynamic_sampling_ends_the_step_at_the_next_round(tmp_path, xdg_cache):
+    """Groups that never differ (a constant reward) under --dynamic-sampling --max-sampling-rounds 100, 0.2 s a
+    round: the step would take 20 s more; one SIGTERM ends sampling at the next round, saves and stops."""
+    marker = tmp_path / "sampling"
+    (tmp_path / "r.py").write_text(
+        "import pathlib, time\nEXAMPLES = [{'prompt': f'{i}=', 'answer': str(i)} for i in range(4)]\n"
+        f"def f(p, c, a):\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(0.05)\n    return 1.0\n"
+    )
+    flags = ["--task", f"python:{tmp_path / 'r.py'}:f", "--dynamic-sampling", "--max-sampling-rounds", "100"]
+    process, log = start([*flags, "--num-steps", "5"], tmp_path, xdg_cache)
+    wait_for(marker.exists, process)
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    process.communicate(timeout=60)
+    log.close()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert time.monotonic() - started < 15, stderr
+    assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM after step 1; resume with: "), stderr

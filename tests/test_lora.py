@@ -175,11 +175,11 @@ def one_line(excinfo):
         (dict(lora_rank=-1), "--lora-rank is -1: it must be a positive integer"),
         (dict(lora_alpha=0.0), "--lora-alpha is 0.0: it must be > 0"),
         (dict(lora_dropout=1.0), "--lora-dropout is 1.0: it must be in"),
-        (dict(lora_rank=0, lora_merged=True), "--lora-merged .* needs --lora-rank above 0"),
-        (dict(lora_target_modules=("qkv_proj",)), "--lora-target-modules qkv_proj: peft cannot adapt .*q_proj"),
+        (dict(lora_rank=0, lora_merged=True), "--lora-merged acts only on LoRA adapters, and --lora-rank is 0"),
+        (dict(lora_target_modules=("qkv_proj",)), "--lora-target-modules qkv_proj names no linear or embedding layer"),
         (
             dict(lora_target_modules=("input_layernorm",)),
-            "--lora-target-modules input_layernorm: peft cannot .*not supported",
+            "--lora-target-modules input_layernorm names no linear .* its linear layers are .*q_proj",
         ),
     ],
 )
