@@ -32,6 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from machinery import threads  # before torch: OpenMP reads how its threads wait once, when torch loads it
+
+# isort: split
 import torch
 from tqdm import tqdm
 
@@ -284,6 +287,7 @@ def main(args, flags_given=()):
     models.check_model_names(args, ["model", "reward_model"])
     task = load_task(args.task)
     device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
+    threads.resolve_threads(args.threads)  # printed, with the reason
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     state = checkpoints.load_checkpoint(args.resume, "grpo", args, task) if args.resume else None  # checked first
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
