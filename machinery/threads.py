@@ -20,16 +20,20 @@ import time
 
 from machinery.errors import UsageError  # errors.py imports nothing: torch is not loaded yet
 
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-if "torch" in sys.modules:  # too late: OpenMP has read its settings
-    WAIT = "waiting threads spin (torch was imported before machinery.threads)"
-elif any(name in os.environ for name in WAIT_VARIABLES):
-    WAIT = "wait policy: " + ", ".join(f"{name}={os.environ[name]}" for name in WAIT_VARIABLES if name in os.environ)
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # GNU, LLVM and Intel OpenMP read these
+USERS = [f"{name}={os.environ[name]}" for name in WAIT_VARIABLES if name in os.environ]
+if USERS:
+    WAIT = "wait policy of the environment: " + ", ".join(USERS)
+elif "torch" in sys.modules:  # too late: its OpenMP has read its settings
+    WAIT = "waiting threads spin: torch was loaded before machinery.threads"
 else:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     WAIT = "waiting threads sleep: OMP_WAIT_POLICY=PASSIVE"
-TORCH_DEFAULT = {}
-SLEEPS = WAIT.startswith("waiting threads sleep") or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+SLEEPS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or "0" in (
+    os.environ.get("GOMP_SPINCOUNT"),
+    os.environ.get("KMP_BLOCKTIME"),
+)
+TORCH_DEFAULT = {}  # torch's own number of threads, read before this process first sets it
 
 
 def choose_threads(flag, cores, default, idle, env, processes, sleeps):
@@ -42,7 +46,6 @@ def choose_threads(flag, cores, default, idle, env, processes, sleeps):
     auto: torch's default, at most this process's share of the cores (processes x threads <= cores); where waiting
     threads spin, also at most the cores idle at start, so that no thread waits for a core another process holds.
     """
-    share = max(1, cores // processes)
     if flag != "auto":
         threads = int(flag) if re.fullmatch(r"[0-9]+", flag) else 0
         if not 1 <= threads <= 4 * cores:
@@ -50,19 +53,27 @@ def choose_threads(flag, cores, default, idle, env, processes, sleeps):
                 f"--threads is {flag!r}: pass auto, or a number of threads from 1 to {4 * cores} "
                 f"(this machine has {cores} cores)"
             )
-        over = f": {processes} processes x {threads} threads" if processes > 1 else f": {threads} threads"
-        over = f"{over} > {cores} cores" if processes * threads > cores else ""
-        return threads, f"--threads {threads}{over}"
+        return threads, f"--threads {threads}" + oversubscribed(threads, cores, processes)
     if env is not None:
         first = env.split(",")[0].strip()  # OpenMP also takes a list, one count per nesting level
         if not re.fullmatch(r"[0-9]+", first) or int(first) < 1:
             raise UsageError(f"OMP_NUM_THREADS is {env!r}: set it to a number of threads of at least 1, or unset it")
-        return int(first), f"OMP_NUM_THREADS={env} in the environment"
-    threads = min(default, share)
+        torchrun = " (torchrun sets 1 for several processes)" if processes > 1 and first == "1" else ""
+        return int(first), f"OMP_NUM_THREADS={env} in the environment{torchrun}" + oversubscribed(
+            int(first), cores, processes
+        )
+    threads = min(default, max(1, cores // processes))
     why = f"torch's default on {cores} cores" if processes == 1 else f"{cores} cores / {processes} processes"
     if not sleeps and idle is not None and round(idle) < threads:
         threads, why = max(1, round(idle)), f"{idle:.1f} of {cores} cores idle at start"
     return threads, f"auto: {why}"
+
+
+def oversubscribed(threads, cores, processes):
+    """A note where this run's threads outnumber the cores."""
+    if processes * threads <= cores:
+        return ""
+    return f", {processes} processes x {threads} threads > {cores} cores" if processes > 1 else f" > {cores} cores"
 
 
 def idle_cores(cores, seconds=0.2):
@@ -78,7 +89,7 @@ def idle_cores(cores, seconds=0.2):
     except OSError:
         try:
             return max(0.0, (os.cpu_count() or cores) - os.getloadavg()[0])
-        except OSError:
+        except (OSError, AttributeError):  # AttributeError: no getloadavg (Windows)
             return None
 
 
@@ -97,7 +108,7 @@ def resolve_threads(flag):
     env = os.environ.get("OMP_NUM_THREADS")
     idle = idle_cores(cores) if flag == "auto" and env is None and not SLEEPS else None
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    TORCH_DEFAULT.setdefault("threads", torch.get_num_threads())  # before this process first sets it
+    TORCH_DEFAULT.setdefault("threads", torch.get_num_threads())
     threads, reason = choose_threads(flag, cores, TORCH_DEFAULT["threads"], idle, env, processes, SLEEPS)
     torch.set_num_threads(threads)
     if dist.is_main():

@@ -19,8 +19,8 @@ def choose(flag="auto", cores=8, default=8, idle=None, env=None, processes=1, sl
 
 def test_a_number_given_wins_over_everything():
     assert choose("3", env="1", idle=0.0, sleeps=False) == (3, "--threads 3")
-    assert choose("32", cores=8) == (32, "--threads 32: 32 threads > 8 cores")
-    assert choose("2", cores=8, processes=8) == (2, "--threads 2: 8 processes x 2 threads > 8 cores")
+    assert choose("32", cores=8) == (32, "--threads 32 > 8 cores")
+    assert choose("2", cores=8, processes=8) == (2, "--threads 2, 8 processes x 2 threads > 8 cores")
     assert choose("1", cores=8, processes=8) == (1, "--threads 1")
 
 
@@ -34,7 +34,15 @@ def test_an_absurd_number_is_refused_in_one_line(flag):
 
 
 def test_omp_num_threads_of_the_user_or_torchrun_is_kept():
-    assert choose(env="1", processes=4) == (1, "OMP_NUM_THREADS=1 in the environment")
+    assert choose(env="1", processes=4) == (
+        1,
+        "OMP_NUM_THREADS=1 in the environment (torchrun sets 1 for several processes)",
+    )
+    assert choose(env="4", processes=4) == (
+        4,
+        "OMP_NUM_THREADS=4 in the environment, 4 processes x 4 threads > 8 cores",
+    )
+    assert choose(env="1") == (1, "OMP_NUM_THREADS=1 in the environment")
     assert choose(env="3", idle=0.0, sleeps=False) == (3, "OMP_NUM_THREADS=3 in the environment")
     assert choose(env="4,2") == (4, "OMP_NUM_THREADS=4,2 in the environment")  # one count per nesting level
     for bad in ("0", "x", ""):
