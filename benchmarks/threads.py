@@ -63,7 +63,7 @@ def one_run(choice, busy, a):
     """{seconds, load, others, threads} of one run of the script with `choice`, beside a busy process or not."""
     env_add, flags = CHOICES[choice]
     flags = [a.torch_default if flag == "TORCH_DEFAULT" else flag for flag in flags]
-    env = {**CLEAN, **env_add}
+    env = {**CLEAN, **env_add, "PYTHONUNBUFFERED": "1"}  # a run stopped at the timeout has printed its threads
     cmd = [sys.executable, f"{a.script}.py", "--num-steps", str(a.num_steps), "--sample-every", "0"]
     cmd += ["--output-dir", a.output_dir, *flags, *a.extra]
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -74,12 +74,13 @@ def one_run(choice, busy, a):
         spun = process_seconds(spinner.pid) if spinner else 0.0
         try:
             out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=a.timeout)
-            seconds, stopped = time.perf_counter() - start, False
+            seconds, stopped, stdout = time.perf_counter() - start, False, out.stdout
             if out.returncode != 0:
                 sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
-            threads = re.search(r"^threads: (\d+)", out.stdout, re.M).group(1)
-        except subprocess.TimeoutExpired:
-            seconds, stopped, threads = a.timeout, True, "?"
+        except subprocess.TimeoutExpired as e:  # what it printed so far comes as bytes
+            seconds, stopped, stdout = a.timeout, True, (e.stdout or b"").decode(errors="replace")
+        threads = re.search(r"^threads: (\d+)", stdout, re.M)
+        threads = threads.group(1) if threads else "?"
         spun = process_seconds(spinner.pid) - spun if spinner else 0.0
         others = (busy_jiffies() - jiffies - (children_seconds() - ours) - spun) / seconds
     finally:
@@ -89,18 +90,25 @@ def one_run(choice, busy, a):
     return dict(seconds=seconds, stopped=stopped, load=load, others=max(0.0, others), threads=threads)
 
 
+def summary(runs):
+    """(median seconds, whether it is only a lower bound: half the runs or more were stopped at the timeout)."""
+    stopped = sum(r["stopped"] for r in runs)
+    return statistics.median(r["seconds"] for r in runs), stopped >= len(runs) - len(runs) // 2
+
+
 def cell(runs):
-    if not runs:
-        return "-"
-    seconds = statistics.median(r["seconds"] for r in runs)
-    shown = f"> {seconds:.0f}" if any(r["stopped"] for r in runs) else f"{seconds:.1f}"
+    seconds, lower = summary(runs)
     load = statistics.median(r["load"] for r in runs)
     others = statistics.median(r["others"] for r in runs)
-    return f"{shown} (load {load:.1f}, others {others:.2f})"
+    return f"{'> ' if lower else ''}{seconds:.1f} (load {load:.1f}, others {others:.2f})"
 
 
-def median(runs):
-    return statistics.median(r["seconds"] for r in runs)
+def ratio(a, b):
+    """a / b of two summaries, '>' or '<' where one is a lower bound, '?' where both are."""
+    (x, x_lower), (y, y_lower) = a, b
+    if x_lower and y_lower:
+        return "?"
+    return f"{'>' if x_lower else '<' if y_lower else ''}{x / y:.2f}x"
 
 
 def main():
@@ -135,7 +143,7 @@ def main():
                     flush=True,
                 )
 
-    best = min(median(runs[c, False]) for c in a.choices)
+    best = min((summary(runs[c, False]) for c in a.choices), key=lambda s: (s[1], s[0]))
     print(
         f"\n{a.script}.py --num-steps {a.num_steps} {' '.join(a.extra)}: median of {a.repeats}, seconds, "
         f"{os.cpu_count()} cores\n"
@@ -144,10 +152,11 @@ def main():
     print("|---|---|---|---|---|---|")
     for c in a.choices:
         alone, busy = runs[c, False], runs[c, True]
-        threads = f"{alone[-1]['threads']}, {busy[-1]['threads']}"
-        ratio = median(busy) / median(alone)
-        over = ">" if any(r["stopped"] for r in busy) else ""
-        print(f"| {c} | {threads} | {cell(alone)} | {cell(busy)} | {over}{ratio:.2f}x | {median(alone) / best:.2f}x |")
+        threads = f"{'/'.join(sorted({r['threads'] for r in alone}))}, {'/'.join(sorted({r['threads'] for r in busy}))}"
+        print(
+            f"| {c} | {threads} | {cell(alone)} | {cell(busy)} | {ratio(summary(busy), summary(alone))} "
+            f"| {ratio(summary(alone), best)} |"
+        )
 
 
 if __name__ == "__main__":
