@@ -25,6 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from machinery import threads  # before torch: OpenMP reads how its threads wait once, as torch loads
+
+# isort: split
 import torch
 
 import common
@@ -70,6 +73,8 @@ class Args:
     """gradients are clipped to this global norm"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """precision of the forward passes under autocast; weights stay float32 (see precision.py)"""
+    threads: str = "auto"
+    """threads of torch's CPU operations: auto (torch's default; an OMP_NUM_THREADS of yours wins) or a number"""
     eval_every: int = 50
     """held-out accuracy, margin and loss every this many steps, logged as eval/ (0: only after the last step)"""
     save_every: int = 0
@@ -187,6 +192,7 @@ def main(args, flags_given=()):
     check_args(args)
     models.resolve_model_path(args.model)  # a bad name is refused before anything else
     device = precision.pick_device()
+    threads.resolve_threads(args.threads)  # printed, with the reason
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     bookkeeping.seed_everything(args.seed)  # the synthetic pairs are sampled first
     start_time = time.time()

@@ -34,6 +34,7 @@ RESUMABLE_CHANGES = {
     "dump_dir",
     "output_dir",
     "lora_merged",
+    "threads",
 }
 # Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
 # 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).

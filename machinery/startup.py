@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, threads
 from machinery import distributed as dist
 from machinery.errors import UsageError
 
@@ -26,6 +26,7 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     check_model_names(args)
     task = load_task(args.task)
     device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
+    threads.resolve_threads(args.threads)  # printed, with the reason
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     state = checkpoints.load_checkpoint(args.resume, script, args, task) if args.resume else None
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it

@@ -29,11 +29,16 @@ def xdg_cache(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """These models are tiny: a second thread gains nothing, and on a shared 2-core machine it makes the suite 4x
-    slower."""
-    threads = torch.get_num_threads()
+    slower. OMP_NUM_THREADS too: the scripts' --threads auto keeps it (machinery/threads.py)."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(threads)
+    if env is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -121,6 +121,7 @@ BAD_INPUTS = [
     ("grpo", "--reward-model {garbage_weights}", r"could not load .*garbage-weights.*: its files are invalid \(Safet"),
     # hardware
     ("grpo", "--dtype float16", r"--dtype float16 would need loss scaling, .*: use --dtype bfloat16 or float32"),
+    ("ppo", "--threads 0", r"--threads is '0': pass auto, or a number of threads from 1 to \d+ \(this machine has"),
 ]
 
 
