@@ -331,18 +331,20 @@ def load_checkpoint(folder, script, args, task=None):
 
 
 def check_history(folder, state):
-    """The history a run writes and the loop goes on with: a score and a length (finite numbers) for each step up to
-    the checkpoint's, and the tokens seen (a count); and PPO's KL coefficient, a finite number >= 0. An edited or
-    damaged state.pt (its own digest is not in the manifest) is refused here, not met as a traceback later."""
+    """The history a run writes and the loop goes on with: one finite number a step up to the checkpoint's of each
+    per-step list (grpo.py and ppo.py: score and length, and the tokens seen, a count; reward_model.py: its loss);
+    and PPO's KL coefficient, a finite number >= 0. An edited or damaged state.pt (its own digest is not in the
+    manifest) is refused here, not met as a traceback later."""
     number = lambda x: type(x) in (int, float) and math.isfinite(x)
     history, step = state.get("history"), state["step"]
+    per_step = ("bt_loss",) if state.get("script") == "reward_model" else ("score", "length")
     problem = None
     if not isinstance(history, dict) or not isinstance(step, int):
         problem = "history is not a dict of lists"
-    elif not (type(history.get("tokens")) is int and history["tokens"] >= 0):
+    elif "score" in per_step and not (type(history.get("tokens")) is int and history["tokens"] >= 0):
         problem = f"history's token count is {shorten(history.get('tokens'), 40)}"
     else:
-        for key in ("score", "length"):
+        for key in per_step:
             values = history.get(key)
             if not (isinstance(values, list) and len(values) == step and all(map(number, values))):
                 problem = f"history's {key} is not {step} finite numbers, one a step"

@@ -76,10 +76,15 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="every micro-batch takes the first rows' reference log-probs (a wrong slice)",
-        find="loss, terms = compute_loss(outputs, common.select_rows(mb_batch, micro), args)",
+        find=(
+            'micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))\n'
+            "                    loss"
+        ),
         replace=(
-            "loss, terms = compute_loss(outputs, dict(common.select_rows(mb_batch, micro), "
-            "ref_logp=b_ref_logp[: len(micro)] if b_ref_logp is not None else None), args)"
+            'micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))\n'
+            '                    micro_batch["ref_logp"] = '
+            "b_ref_logp[: len(micro)] if b_ref_logp is not None else None\n"
+            "                    loss"
         ),
     ),
     dict(
@@ -152,8 +157,8 @@ MUTANTS = [
         file="ppo.py",
         tests=REF_PPO,
         what="the ratio is taken against the reference's log-probs instead of the rollout policy's",
-        find="mb_batch = dict(b_rollout, num_tokens=",
-        replace='mb_batch = dict(b_rollout, old_logp=b_rollout["ref_logp"], num_tokens=',
+        find="mb_batch = dict(b_rollout, num_seqs=",
+        replace='mb_batch = dict(b_rollout, old_logp=b_rollout["ref_logp"], num_seqs=',
     ),
     dict(
         name="ppo-value-loss-args-swapped",
