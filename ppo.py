@@ -29,9 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from machinery import threads  # noqa: F401  before torch: OpenMP reads how its threads wait once, as torch loads
-
-# isort: split
 import torch
 
 import common

@@ -25,13 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from machinery import threads  # before torch: OpenMP reads how its threads wait once, as torch loads
-
-# isort: split
 import torch
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, threads
 from machinery.errors import UsageError
 from tasks.preferences import load_pairs
 
@@ -254,6 +251,7 @@ def main(args, flags_given=()):
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
             "perf/train_seconds": timer.seconds["train"],
             "perf/peak_memory_gb": bookkeeping.peak_memory_gb(device),
+            "perf/threads": threads.follow_idle_cores(),  # auto: the cores other processes left idle
         }
         if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:
             history["eval"] = evaluate(model, tokenizer, test_pairs, args.micro_batch_size, device, dtype)

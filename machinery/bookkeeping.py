@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from machinery import checkpoints, flags
+from machinery import checkpoints, flags, threads
 from machinery import distributed as dist
 from machinery.errors import Interrupted, UsageError
 
@@ -166,10 +166,12 @@ def progress(script, first_step, num_steps):
 
 def log_step(writer, step, scalars, losses, timer, total_tokens, device):
     """One step's scalars: the loop's own (`scalars`), the losses of its updates (common.logged_losses), and the
-    time and memory."""
+    time and memory; then, under --threads auto, the threads follow the cores other processes left idle
+    (threads.py), logged as perf/threads."""
     losses = {f"losses/{key}": value for key, value in losses.items()}
     for name, value in dict(scalars, **losses, **perf_scalars(timer, total_tokens, device)).items():
         writer.add_scalar(name, float(value), step)
+    writer.add_scalar("perf/threads", threads.follow_idle_cores(), step)
 
 
 def perf_scalars(timer, total_tokens, device):

@@ -1,50 +1,45 @@
-"""How many threads torch's CPU operations run on (--threads), and how a waiting thread waits: what `auto` picks
-here, and why.
+"""How many threads torch's CPU operations run on (--threads): what `auto` picks here, and why.
 
-torch runs each CPU operation on a team of OpenMP threads, and by default a thread that finishes first spins,
-burning its core, until the others finish. When another process holds one of the cores, every operation waits
-for a thread that is not running: on 2 cores, beside one busy process, the tiny run took 11.7x its time alone
-on torch's 2 threads, 1.07x on one thread. The fix is in two parts:
+torch runs each CPU operation on a team of OpenMP threads, and a thread that finishes its share first spins,
+burning its core, until the others finish (GNU OpenMP, that of the pip wheels, spins ~300,000 times before it
+sleeps). So when another process holds one of the cores, every operation waits for a thread that is not running:
+on 2 cores, beside one busy process, the tiny run took 11.7x its time alone on torch's 2 threads, 1.07x on one.
 
-1. Imported before torch (the first import of grpo.py and ppo.py), this module sets OMP_WAIT_POLICY=PASSIVE:
-   a waiting thread sleeps at once instead of spinning. OpenMP reads the variable once, when torch loads it
-   (GNU libgomp of the pip wheels, the LLVM and Intel runtimes alike), so setting it later does nothing. A wait
-   policy of your own (OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME in the environment) is left as it is.
-2. The number of threads (resolve_threads, at the start of main): see choose_threads.
+`auto` therefore runs on torch's default number of threads, at most the cores that other processes leave idle:
+measured for 0.2 s at start, then again after each step (at most once a second), from the machine's busy time
+(/proc/stat) less this process's own. A busy process that starts or stops mid-run moves the number within a
+step; the number is logged as perf/threads. On several processes (torchrun) and under --threads N or
+OMP_NUM_THREADS the number is fixed. A step's last bits can depend on the number of threads (the order of a long
+sum): for bit-identical reruns on a shared machine, fix it.
+
+Measured and set aside (benchmarks/threads.py): a passive wait policy (OMP_WAIT_POLICY=PASSIVE, read once when
+torch loads) holds up beside a busy process but makes the tiny run alone 1.39x slower, since every operation then
+wakes a sleeping thread; a short spin (GOMP_SPINCOUNT=1000) costs 1.14x alone and still 1.67x beside a busy
+process. Either can still be set in the environment.
 """
 
 import os
 import re
-import sys
 import time
 
-from machinery.errors import UsageError  # errors.py imports nothing: torch is not loaded yet
+import torch
 
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # GNU, LLVM and Intel OpenMP read these
-USERS = [f"{name}={os.environ[name]}" for name in WAIT_VARIABLES if name in os.environ]
-if USERS:
-    WAIT = "wait policy of the environment: " + ", ".join(USERS)
-elif "torch" in sys.modules:  # too late: its OpenMP has read its settings
-    WAIT = "waiting threads spin: torch was loaded before machinery.threads"
-else:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    WAIT = "waiting threads sleep: OMP_WAIT_POLICY=PASSIVE"
-SLEEPS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or "0" in (
-    os.environ.get("GOMP_SPINCOUNT"),
-    os.environ.get("KMP_BLOCKTIME"),
-)
+from machinery import distributed as dist
+from machinery.errors import UsageError
+
 TORCH_DEFAULT = {}  # torch's own number of threads, read before this process first sets it
+FOLLOW = {}  # auto on one process: "cap" (the most threads) and "last" (the CPU times of the last check)
+CHECK_EVERY = 1.0  # seconds between two checks of the idle cores: a shorter window reads /proc/stat's 10 ms ticks
 
 
-def choose_threads(flag, cores, default, idle, env, processes, sleeps):
+def choose_threads(flag, cores, default, idle, env, processes):
     """(threads, reason) for --threads `flag` ("auto" or a number) in a process that may run on `cores` cores,
     where torch would use `default` threads, `idle` cores were idle at start (None: unknown), OMP_NUM_THREADS is
-    `env` (None: unset), `processes` processes of this run share the machine (torchrun's LOCAL_WORLD_SIZE), and
-    waiting threads sleep (`sleeps`) or spin.
+    `env` (None: unset) and `processes` processes of this run share the machine (torchrun's LOCAL_WORLD_SIZE).
 
     A number given to --threads wins, then OMP_NUM_THREADS (torchrun sets it to 1 for several processes), then
-    auto: torch's default, at most this process's share of the cores (processes x threads <= cores); where waiting
-    threads spin, also at most the cores idle at start, so that no thread waits for a core another process holds.
+    auto: torch's default, at most this process's share of the cores (processes x threads <= cores) and at most
+    the cores idle at start (rounded), so that no thread waits for a core another process holds; at least one.
     """
     if flag != "auto":
         threads = int(flag) if re.fullmatch(r"[0-9]+", flag) else 0
@@ -64,9 +59,14 @@ def choose_threads(flag, cores, default, idle, env, processes, sleeps):
         )
     threads = min(default, max(1, cores // processes))
     why = f"torch's default on {cores} cores" if processes == 1 else f"{cores} cores / {processes} processes"
-    if not sleeps and idle is not None and round(idle) < threads:
-        threads, why = max(1, round(idle)), f"{idle:.1f} of {cores} cores idle at start"
-    return threads, f"auto: {why}"
+    if idle is not None and round(idle) < threads:
+        return max(1, round(idle)), f"auto: {idle:.1f} of {cores} cores idle at start"
+    return threads, f"auto: {why}" + (f", {idle:.1f} idle at start" if idle is not None else "")
+
+
+def threads_for_idle(cap, idle):
+    """auto's number of threads when `idle` cores are left by other processes: at most `cap`, at least one."""
+    return min(cap, max(1, round(idle)))
 
 
 def oversubscribed(threads, cores, processes):
@@ -76,41 +76,66 @@ def oversubscribed(threads, cores, processes):
     return f", {processes} processes x {threads} threads > {cores} cores" if processes > 1 else f" > {cores} cores"
 
 
-def idle_cores(cores, seconds=0.2):
-    """How many of the machine's cores were idle over the next `seconds` (Linux /proc/stat), or over the last
-    minute where that file is missing (the load average); None where neither is known (Windows)."""
+def cpu_times():
+    """(wall seconds, the machine's busy CPU seconds, this process's CPU seconds); the machine's is None where
+    /proc/stat is missing (not Linux)."""
     try:
-        before = _cpu_times()
-        time.sleep(seconds)
-        after = _cpu_times()
-        total = sum(after) - sum(before)
-        idle = (after[3] + after[4]) - (before[3] + before[4])  # idle + iowait
-        return (os.cpu_count() or cores) * idle / total if total > 0 else None
-    except OSError:
-        try:
-            return max(0.0, (os.cpu_count() or cores) - os.getloadavg()[0])
-        except (OSError, AttributeError):  # AttributeError: no getloadavg (Windows)
-            return None
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # steal: a core the host took
+    except (OSError, ValueError):
+        busy = None
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system
 
 
-def _cpu_times():
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1:]]
+def idle_between(before, after):
+    """The cores that processes other than this one left idle between two cpu_times(), on average; None where
+    unknown."""
+    (wall0, busy0, own0), (wall1, busy1, own1) = before, after
+    if busy0 is None or busy1 is None or wall1 <= wall0:
+        return None
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
+    return max(0.0, (os.cpu_count() or 1) - others)
+
+
+def idle_cores(seconds=0.2):
+    """The cores idle over the next `seconds` (Linux), or over the last minute where /proc/stat is missing (the
+    load average); None where neither is known (Windows)."""
+    before = cpu_times()
+    time.sleep(seconds)
+    idle = idle_between(before, cpu_times())
+    if idle is None and hasattr(os, "getloadavg"):
+        idle = max(0.0, (os.cpu_count() or 1) - os.getloadavg()[0])
+    return idle
 
 
 def resolve_threads(flag):
     """Set torch's number of threads for --threads `flag`, printed with the reason (by the first process)."""
-    import torch
-
-    from machinery import distributed as dist
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = os.environ.get("OMP_NUM_THREADS")
-    idle = idle_cores(cores) if flag == "auto" and env is None and not SLEEPS else None
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    idle = idle_cores() if flag == "auto" and env is None else None
     TORCH_DEFAULT.setdefault("threads", torch.get_num_threads())
-    threads, reason = choose_threads(flag, cores, TORCH_DEFAULT["threads"], idle, env, processes, SLEEPS)
+    threads, reason = choose_threads(flag, cores, TORCH_DEFAULT["threads"], idle, env, processes)
     torch.set_num_threads(threads)
+    FOLLOW.clear()
+    if flag == "auto" and env is None and processes == 1 and idle is not None:
+        FOLLOW.update(cap=min(TORCH_DEFAULT["threads"], cores), last=cpu_times())
+        reason += "; followed after each step, perf/threads"
     if dist.is_main():
-        print(f"threads: {threads} ({reason}; {WAIT if threads > 1 else 'one thread never waits'})")
+        print(f"threads: {threads} ({reason})")
     return threads
+
+
+def follow_idle_cores():
+    """Under auto on one process, after a step: set the threads to the cores other processes left idle since the
+    last check (at most once every CHECK_EVERY seconds). Returns the number of threads."""
+    if FOLLOW:
+        now = cpu_times()
+        if now[0] - FOLLOW["last"][0] >= CHECK_EVERY:
+            idle = idle_between(FOLLOW["last"], now)
+            FOLLOW["last"] = now
+            if idle is not None and threads_for_idle(FOLLOW["cap"], idle) != torch.get_num_threads():
+                torch.set_num_threads(threads_for_idle(FOLLOW["cap"], idle))
+    return torch.get_num_threads()
