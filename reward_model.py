@@ -71,7 +71,8 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """precision of the forward passes under autocast; weights stay float32 (see precision.py)"""
     threads: str = "auto"
-    """threads of torch's CPU operations: auto (torch's default; an OMP_NUM_THREADS of yours wins) or a number"""
+    """threads of torch's CPU operations: auto (torch's default, at most the cores other processes leave idle; an
+    OMP_NUM_THREADS of yours wins) or a number"""
     eval_every: int = 50
     """held-out accuracy, margin and loss every this many steps, logged as eval/ (0: only after the last step)"""
     save_every: int = 0

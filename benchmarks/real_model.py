@@ -149,8 +149,10 @@ def summarise_ours(scalars):
     return out
 
 
-def run_trl(model_dir, seed, steps, work, bf16=False):
-    """TRL's GRPOTrainer with GRPO_FLAGS: the same prompts in the same order, reward, group, beta, loss and rate."""
+def run_trl(model_dir, seed, steps, work, bf16=False, task_name=TASK, flags=None, chat=True):
+    """TRL's GRPOTrainer with grpo.py's `flags` (default: run_ours' on the real model; grpo.Args' defaults for any
+    flag not given): the same prompts in the same order, reward, group, beta, advantage scale, KL form, loss and
+    rate. `chat`: the prompts as a chat's user turn (grpo.py's default on a chat model), else as plain text."""
     import warnings
 
     import torch
@@ -159,20 +161,20 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
     from trl import GRPOConfig, GRPOTrainer
 
     import common
+    import grpo
     from tasks import load_task
 
     warnings.simplefilter("ignore")
-    task, flags = load_task(TASK), GRPO_FLAGS
+    real = {**grpo.HUB_DEFAULTS, **GRPO_FLAGS, "max_new_tokens": MAX_NEW_TOKENS}  # what run_ours runs on a hub model
+    flags = {**vars(grpo.Args()), **(real if flags is None else flags)}
+    task = load_task(task_name)
     examples = common.PromptSampler(task.train, seed).sample(steps * flags["prompts_per_step"])
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": ex["prompt"]}] for ex in examples],
-            "answer": [ex["answer"] for ex in examples],
-        }
-    )
+    prompts = [[{"role": "user", "content": ex["prompt"]}] if chat else ex["prompt"] for ex in examples]
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": [ex["answer"] for ex in examples]})
 
     def reward(prompts, completions, answer, **kwargs):
-        return [task.reward_fn("", c[0]["content"], a) for c, a in zip(completions, answer)]
+        texts = [c[0]["content"] for c in completions] if chat else completions
+        return [task.reward_fn("", c, a) for c, a in zip(texts, answer)]
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -193,17 +195,17 @@ def run_trl(model_dir, seed, steps, work, bf16=False):
         per_device_train_batch_size=flags["prompts_per_step"] * flags["group_size"],
         gradient_accumulation_steps=1,
         num_generations=flags["group_size"],
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=TEMPERATURE,
+        max_completion_length=flags["max_new_tokens"],
+        temperature=flags["temperature"],
         top_k=0,
         beta=flags["beta"],
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        use_bias_correction_kl=False,
+        epsilon=flags["clip_low"],
+        loss_type="grpo",  # grpo.py's seq-mean-token-mean
+        scale_rewards=flags["scale_rewards"],
+        use_bias_correction_kl=flags["bias_corrected_kl"],
         learning_rate=flags["learning_rate"],
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        weight_decay=flags["weight_decay"],
+        max_grad_norm=flags["max_grad_norm"],
         lr_scheduler_type="constant",
         max_steps=steps,
         save_strategy="no",

@@ -6,9 +6,9 @@ sleeps). So when another process holds one of the cores, every operation waits f
 on 2 cores, beside one busy process, the tiny run took 11.7x its time alone on torch's 2 threads, 1.07x on one.
 
 `auto` therefore runs on torch's default number of threads, at most the cores that other processes leave idle:
-measured for 0.2 s at start, then again after each step (at most once a second), from the machine's busy time
-(/proc/stat) less this process's own. A busy process that starts or stops mid-run moves the number within a
-step; the number is logged as perf/threads. On several processes (torchrun) and under --threads N or
+measured for 0.2 s at start, then again after each step and before each forward pass (at most once a second),
+from the machine's busy time (/proc/stat) less this process's own. A busy process that starts or stops mid-run
+moves the number within a second or so of forward passes; the number after each step is logged as perf/threads. On several processes (torchrun) and under --threads N or
 OMP_NUM_THREADS the number is fixed. A step's last bits can depend on the number of threads (the order of a long
 sum): for bit-identical reruns on a shared machine, fix it.
 
@@ -128,14 +128,15 @@ def resolve_threads(flag):
     return threads
 
 
-def follow_idle_cores():
-    """Under auto on one process, after a step: set the threads to the cores other processes left idle since the
-    last check (at most once every CHECK_EVERY seconds). Returns the number of threads."""
-    if FOLLOW:
+def follow_idle_cores(*hook_args):
+    """Under auto on one process: set the threads to the cores other processes left idle since the last check, at
+    most once every CHECK_EVERY seconds. Called after each step, and before each forward pass of a model (a forward
+    pre-hook, models.load_pretrained): a busy process that starts during a long step is seen within a second of
+    forward passes. Returns the number of threads."""
+    if FOLLOW and time.perf_counter() - FOLLOW["last"][0] >= CHECK_EVERY:
         now = cpu_times()
-        if now[0] - FOLLOW["last"][0] >= CHECK_EVERY:
-            idle = idle_between(FOLLOW["last"], now)
-            FOLLOW["last"] = now
-            if idle is not None and threads_for_idle(FOLLOW["cap"], idle) != torch.get_num_threads():
-                torch.set_num_threads(threads_for_idle(FOLLOW["cap"], idle))
-    return torch.get_num_threads()
+        idle = idle_between(FOLLOW["last"], now)
+        FOLLOW["last"] = now
+        if idle is not None and threads_for_idle(FOLLOW["cap"], idle) != torch.get_num_threads():
+            torch.set_num_threads(threads_for_idle(FOLLOW["cap"], idle))
+    return torch.get_num_threads() if not hook_args else None

@@ -1,6 +1,7 @@
 """machinery/threads.py: the number of threads --threads picks, its reason and its refusals."""
 
 import os
+import types
 
 import pytest
 
@@ -109,6 +110,7 @@ def test_auto_follows_a_busy_process_that_starts_and_stops_mid_run(monkeypatch, 
 
     clock = {"wall": 0.0, "busy": 0.0, "own": 0.0}
     monkeypatch.setattr(threads, "cpu_times", lambda: (clock["wall"], clock["busy"], clock["own"]))
+    monkeypatch.setattr(threads, "time", types.SimpleNamespace(perf_counter=lambda: clock["wall"]))
     monkeypatch.setattr(threads, "idle_cores", lambda seconds=0.2: 2.0)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
@@ -133,8 +135,22 @@ def test_auto_follows_a_busy_process_that_starts_and_stops_mid_run(monkeypatch, 
         assert seconds(0.3, 0.3, 0.0) == 1  # it stopped, but not checked yet
         assert seconds(0.7, 1.4, 0.0) == 2  # checked: the core is back
         assert seconds(2.0, 2.0, 1.2) == 1  # 0.6 of a core busy elsewhere: 1.4 idle rounds to 1
+        assert threads.follow_idle_cores(torch.nn.Linear(1, 1), ()) is None  # as a forward pre-hook: no new input
         assert threads.resolve_threads("2") == 2 and not threads.FOLLOW  # a number given: fixed
         assert seconds(2.0, 2.0, 2.0) == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert threads.resolve_threads("auto") == 2 and not threads.FOLLOW  # OMP_NUM_THREADS: fixed
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert threads.resolve_threads("auto") == 1 and not threads.FOLLOW  # torchrun: its share, fixed
     finally:
         torch.set_num_threads(before)
         threads.FOLLOW.clear()
+
+
+def test_every_loaded_model_checks_the_idle_cores_before_its_forward_pass():
+    """A long step (a real model's rollout) sees a busy process start within its forward passes, not at its end."""
+    from machinery import models
+
+    model = models.load_causal_lm(models.TINY_MODEL, "cpu")
+    assert threads.follow_idle_cores in model._forward_pre_hooks.values()
