@@ -8,12 +8,13 @@ on 2 cores, beside one busy process, the tiny run took 11.7x its time alone on t
 `auto` therefore runs on torch's default number of threads, at most the cores that other processes leave idle:
 measured for 0.2 s at start, then again after each step and before each forward pass (at most once a second),
 from the machine's busy time (/proc/stat) less this process's own. A busy process that starts or stops mid-run
-moves the number within a second or so of forward passes; the number after each step is logged as perf/threads. On several processes (torchrun) and under --threads N or
-OMP_NUM_THREADS the number is fixed. A step's last bits can depend on the number of threads (the order of a long
-sum): for bit-identical reruns on a shared machine, fix it.
+moves the number within a second or so of forward passes; the number after each step is logged as perf/threads.
+On several processes (torchrun) and under --threads N or OMP_NUM_THREADS the number is fixed. A step's last bits
+can depend on the number of threads (the order of a long sum): for bit-identical reruns on a shared machine, fix
+it.
 
 Measured and set aside (benchmarks/threads.py): a passive wait policy (OMP_WAIT_POLICY=PASSIVE, read once when
-torch loads) holds up beside a busy process but makes the tiny run alone 1.39x slower, since every operation then
+torch loads) holds up beside a busy process but makes the tiny run alone 1.49x slower, since every operation then
 wakes a sleeping thread; a short spin (GOMP_SPINCOUNT=1000) costs 1.14x alone and still 1.67x beside a busy
 process. Either can still be set in the environment.
 """
