@@ -10,7 +10,7 @@ process, timed by the wall clock; the choices and the conditions are interleaved
 gives the median. The choices (machinery/threads.py):
 
     auto            the default, --threads auto: torch's number of threads, at most the cores other processes
-                    leave idle, checked at start and after each step (machinery/threads.py)
+                    leave idle, checked at start, after each step and before each forward pass
     one thread      --threads 1
     torch's default torch's number of threads, what a run took before --threads
     passive wait    torch's number, and OMP_WAIT_POLICY=PASSIVE: a waiting thread sleeps at once

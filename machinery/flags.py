@@ -29,8 +29,8 @@ class RunArgs:
     computes it natively, else float32; printed at start with the reason, see precision.py)"""
     threads: str = "auto"
     """threads of torch's CPU operations: auto (torch's default, at most the cores other processes leave idle,
-    checked at start and after each step, and at most the cores over torchrun's processes; an OMP_NUM_THREADS of
-    yours wins) or a number; printed at start with the reason, see threads.py"""
+    checked at start, after each step and before each forward pass, and at most the cores over torchrun's
+    processes; an OMP_NUM_THREADS of yours wins) or a number; printed at start with the reason, see threads.py"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False

@@ -196,7 +196,7 @@ def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
     for module in model.modules():  # heads whose dropout no config key sets (classifier_dropout None means 0.1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    model.register_forward_pre_hook(threads.follow_idle_cores)  # --threads auto: follow the idle cores
+    model.register_forward_pre_hook(threads.follow_before_forward)  # --threads auto: follow the idle cores
     return model.to(device)
 
 

@@ -121,23 +121,29 @@ def resolve_threads(flag):
     threads, reason = choose_threads(flag, cores, TORCH_DEFAULT["threads"], idle, env, processes)
     torch.set_num_threads(threads)
     FOLLOW.clear()
-    if flag == "auto" and env is None and processes == 1 and idle is not None:
-        FOLLOW.update(cap=min(TORCH_DEFAULT["threads"], cores), last=cpu_times())
+    last = cpu_times()
+    if flag == "auto" and env is None and processes == 1 and last[1] is not None:  # /proc/stat: Linux only
+        FOLLOW.update(cap=min(TORCH_DEFAULT["threads"], cores), last=last)
         reason += "; followed after each step, perf/threads"
     if dist.is_main():
         print(f"threads: {threads} ({reason})")
     return threads
 
 
-def follow_idle_cores(*hook_args):
+def follow_idle_cores():
     """Under auto on one process: set the threads to the cores other processes left idle since the last check, at
-    most once every CHECK_EVERY seconds. Called after each step, and before each forward pass of a model (a forward
-    pre-hook, models.load_pretrained): a busy process that starts during a long step is seen within a second of
-    forward passes. Returns the number of threads."""
+    most once every CHECK_EVERY seconds. Called after each step, and before each forward pass of a model
+    (follow_before_forward): a busy process that starts during a long step is seen within a second of forward
+    passes. Returns the number of threads."""
     if FOLLOW and time.perf_counter() - FOLLOW["last"][0] >= CHECK_EVERY:
         now = cpu_times()
         idle = idle_between(FOLLOW["last"], now)
         FOLLOW["last"] = now
         if idle is not None and threads_for_idle(FOLLOW["cap"], idle) != torch.get_num_threads():
             torch.set_num_threads(threads_for_idle(FOLLOW["cap"], idle))
-    return torch.get_num_threads() if not hook_args else None
+    return torch.get_num_threads()
+
+
+def follow_before_forward(module, args):
+    """A forward pre-hook of every loaded model (models.load_pretrained): follow_idle_cores, inputs unchanged."""
+    follow_idle_cores()

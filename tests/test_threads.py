@@ -135,7 +135,7 @@ def test_auto_follows_a_busy_process_that_starts_and_stops_mid_run(monkeypatch, 
         assert seconds(0.3, 0.3, 0.0) == 1  # it stopped, but not checked yet
         assert seconds(0.7, 1.4, 0.0) == 2  # checked: the core is back
         assert seconds(2.0, 2.0, 1.2) == 1  # 0.6 of a core busy elsewhere: 1.4 idle rounds to 1
-        assert threads.follow_idle_cores(torch.nn.Linear(1, 1), ()) is None  # as a forward pre-hook: no new input
+        assert threads.follow_before_forward(torch.nn.Linear(1, 1), ()) is None  # a pre-hook: inputs unchanged
         assert threads.resolve_threads("2") == 2 and not threads.FOLLOW  # a number given: fixed
         assert seconds(2.0, 2.0, 2.0) == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -153,4 +153,4 @@ def test_every_loaded_model_checks_the_idle_cores_before_its_forward_pass():
     from machinery import models
 
     model = models.load_causal_lm(models.TINY_MODEL, "cpu")
-    assert threads.follow_idle_cores in model._forward_pre_hooks.values()
+    assert threads.follow_before_forward in model._forward_pre_hooks.values()
