@@ -47,11 +47,16 @@ class PromptSampler:
 
 def encode_prompts(tokenizer, prompts, chat_template=True):
     """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one (with the
-    system prompt given to models.load_tokenizer)."""
+    system prompt given to models.load_tokenizer). Each distinct prompt is tokenised once (a group repeats one)."""
+    row_of = {}
+    rows = torch.tensor([row_of.setdefault(prompt, len(row_of)) for prompt in prompts], dtype=torch.long)
+    distinct = list(row_of)
     if chat_template and tokenizer.chat_template:
-        texts = models.chat_texts(tokenizer, prompts)
-        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
-    return tokenizer(prompts, return_tensors="pt", padding=True)
+        texts = models.chat_texts(tokenizer, distinct)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
+    else:
+        enc = tokenizer(distinct, return_tensors="pt", padding=True)
+    return {key: value[rows] for key, value in enc.items()}  # [B, P] each
 
 
 @torch.no_grad()
@@ -230,25 +235,26 @@ def token_logprobs(
     """
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
-    # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
-    cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
-    if cache is None:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        )
-    else:  # the rows' own tokens: the last prompt token and the completion
-        out = model(
-            input_ids=input_ids[:, -T - 1 :],
-            attention_mask=attention_mask,
-            position_ids=position_ids[:, -T - 1 :],
-            use_cache=True,
-            logits_to_keep=T + 1,
-            **{prompt_cache.cache_argument(model): cache},
-        )
+    with precision.log_prob_attention(model, input_ids.device):  # on a CPU under bf16: attention in float32, faster
+        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
+        cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+        if cache is None:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=T + 1,
+                use_cache=False,
+            )
+        else:  # the rows' own tokens: the last prompt token and the completion
+            out = model(
+                input_ids=input_ids[:, -T - 1 :],
+                attention_mask=attention_mask,
+                position_ids=position_ids[:, -T - 1 :],
+                use_cache=True,
+                logits_to_keep=T + 1,
+                **{prompt_cache.cache_argument(model): cache},
+            )
     logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
     labels = input_ids[:, -T:]
     rows = max(1, chunk_tokens // max(T, 1))
