@@ -191,6 +191,7 @@ def main(args, flags_given=()):
     models.resolve_model_path(args.model)  # a bad name is refused before anything else
     device = precision.pick_device()
     threads.resolve_threads(args.threads)  # printed, with the reason
+    threads.keep_freed_memory(device)  # on a CPU, a step's large tensors reuse the last step's pages
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     bookkeeping.seed_everything(args.seed)  # the synthetic pairs are sampled first
     start_time = time.time()
