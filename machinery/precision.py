@@ -87,6 +87,51 @@ def set_activation_checkpointing(model, on):
         model.gradient_checkpointing_disable()
 
 
+FLOAT32_SDPA = "sdpa_float32"  # the name transformers knows float32_sdpa by (registered on first use)
+
+
+def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with its inputs in float32 and autocast off; the output in the query's dtype."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    with torch.autocast(query.device.type, enabled=False):
+        output, weights = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+        )
+    return output.to(query.dtype), weights
+
+
+@contextlib.contextmanager
+def log_prob_attention(model, device):
+    """token_logprobs' forward (its inputs on `device`) attends in float32 (float32_sdpa) on a CPU under bfloat16
+    autocast, where torch's fused kernel takes 3x its float32 time in the backward pass (SmolLM2, a layer of 8 rows:
+    2.1 ms against 0.7); the matmuls around it stay bf16. Every log-prob of a step (policy, reference, old policy)
+    is computed here, so they agree with each other to the bit as before."""
+    config = getattr(model, "config", None)
+    switch = (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and hasattr(model, "set_attn_implementation")
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and device.type == "cpu"
+        and not activation_checkpointing(model)  # its backward runs the layer again, after this context: as it was
+    )
+    if switch:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
+        AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
+        model.set_attn_implementation(FLOAT32_SDPA)
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation("sdpa")
+
+
 PLAIN_ATTENTION_MAX = 2**24  # values of one layer's attention weights while generating: past it, SDPA stays
 
 

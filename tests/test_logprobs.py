@@ -338,6 +338,36 @@ def test_bf16_log_probs_of_the_policy_and_a_copy_agree_to_the_bit_whatever_the_r
     torch.testing.assert_close(torch.cat(rows), whole, atol=0, rtol=0)
 
 
+def test_log_probs_attend_in_float32_only_on_a_cpu_under_bf16(monkeypatch):
+    """precision.log_prob_attention: under bf16 autocast on a CPU, token_logprobs' attention runs in float32 (its
+    values float32, autocast off; the gradient flows through, the model's own kernel back after); under float32,
+    or with activation checkpointing (whose backward runs the layer again), the model's kernel as it was."""
+    model = make_small_model("qwen2")
+    input_ids, attention_mask, completion_mask = grouped_batch()
+    sdpa, seen = F.scaled_dot_product_attention, set()
+
+    def spy(query, key, value, *args, **kwargs):  # the dtype autocast would run it in, and whether it is on
+        seen.add((value.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for dtype, checkpointing, expected in (
+        (torch.bfloat16, False, (torch.float32, False)),
+        (torch.float32, False, (torch.float32, False)),
+        (torch.bfloat16, True, (torch.bfloat16, True)),
+    ):
+        precision.set_activation_checkpointing(model, checkpointing)
+        model.train(checkpointing)  # transformers recomputes layers only in train mode
+        seen.clear()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logp = common.token_logprobs(model, input_ids, attention_mask, completion_mask, 0.7)
+        logp.sum().backward()
+        assert model.config._attn_implementation == "sdpa"
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        model.zero_grad()
+        assert seen == {expected}, (dtype, checkpointing, seen)
+
+
 @pytest.mark.exact
 def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_tokenizer):
     """The kernel decoding_attention switches to is the same attention: log-probs and gradients (the prompt shared, as
