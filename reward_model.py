@@ -191,7 +191,6 @@ def main(args, flags_given=()):
     models.resolve_model_path(args.model)  # a bad name is refused before anything else
     device = precision.pick_device()
     threads.resolve_threads(args.threads)  # printed, with the reason
-    threads.keep_freed_memory(device)  # on a CPU, a step's large tensors reuse the last step's pages
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     bookkeeping.seed_everything(args.seed)  # the synthetic pairs are sampled first
     start_time = time.time()
@@ -204,6 +203,7 @@ def main(args, flags_given=()):
 
     tokenizer = models.load_tokenizer(args.model)
     model = load_reward_model(args.model, device)  # float32 master weights, autocast to dtype
+    threads.keep_freed_memory(model, device)  # on a CPU, a model's largest tensors reuse the last step's pages
     model.config.pad_token_id = tokenizer.pad_token_id  # how it finds each row's last token, here and in RewardModel
     check_lengths(
         tokenizer, train_pairs + test_pairs, getattr(model.config, "max_position_embeddings", None), args.model

@@ -27,7 +27,6 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     task = load_task(args.task)
     device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
     threads.resolve_threads(args.threads)  # printed, with the reason
-    threads.keep_freed_memory(device)  # on a CPU, a step's large tensors reuse the last step's pages
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
     state = checkpoints.load_checkpoint(args.resume, script, args, task) if args.resume else None
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
@@ -96,6 +95,7 @@ def load_policy(args, device):
     policy = lora.wrap(models.load_causal_lm(args.model, device), args)
     if args.gradient_checkpointing:
         precision.set_activation_checkpointing(policy, True)
+    threads.keep_freed_memory(policy, device)  # on a CPU, a model's largest tensors reuse the last step's pages
     return tokenizer, policy
 
 

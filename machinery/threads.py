@@ -33,6 +33,7 @@ from machinery.errors import UsageError
 TORCH_DEFAULT = {}  # torch's own number of threads, read before this process first sets it
 FOLLOW = {}  # auto on one process: "cap" (the most threads) and "last" (the CPU times of the last check)
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # blocks over this are always mapped afresh (glibc, 64-bit)
 CHECK_EVERY = 1.0  # seconds between two checks of the idle cores: a shorter window reads /proc/stat's 10 ms ticks
 
 
@@ -152,18 +153,20 @@ def follow_before_forward(module, args):
     follow_idle_cores()
 
 
-def keep_freed_memory(device):
-    """On a CPU, keep the memory freed during a step for the next one (glibc, Linux). By default glibc maps each
-    block over 32 MB afresh and unmaps it when freed, so the largest tensors of every step (the gradient of the
-    embedding, the logits over the vocabulary, bf16 copies of the weights) are faulted in again page by page, each
+def keep_freed_memory(model, device):
+    """On a CPU, with a model that has a weight of over 32 MB, keep the memory freed during a step for the next one
+    (glibc, Linux). glibc maps each block of over 32 MB afresh and unmaps it when freed, so such a weight's
+    gradient, its bf16 copy and the logits over its vocabulary are faulted in again page by page every step, each
     fault zeroing its page. Here no block is mapped on its own and the heap is not trimmed: after a few steps, what
-    a step frees the next reuses. Measured on SmolLM2 (docs/benchmarks.md): a bf16 GRPO step 7.9 -> 6.6 s, peak
-    memory 3.53 -> 3.61 GB; the process holds its peak until it ends. Not on a GPU, whose run would hold every
-    host copy made while loading. Returns whether it was set (not on a GPU, macOS, Windows, musl)."""
-    if device.type != "cpu":
+    a step frees the next reuses. Measured (docs/benchmarks.md): SmolLM2's bf16 GRPO step 7.4 -> 6.3 s, peak memory
+    3.53 -> 3.61 GB (the process holds its peak until it ends); the tiny model, whose blocks glibc already reuses,
+    1.2x slower with it, so left alone. Not on a GPU, whose run would hold every host copy made while loading.
+    Returns whether it was set."""
+    largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+    if device.type != "cpu" or largest <= GLIBC_MMAP_THRESHOLD_MAX:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):  # no glibc here
+    except (OSError, AttributeError):  # no glibc here (macOS, Windows, musl)
         return False

@@ -158,13 +158,16 @@ def test_every_loaded_model_checks_the_idle_cores_before_its_forward_pass():
 
 
 def test_freed_memory_is_reused_without_page_faults():
-    """After keep_freed_memory, a step that makes and frees tensors of 32-128 MB, repeated, soon lands on pages
-    already mapped: five steps then fault fewer pages than one fresh step (glibc's default: ~94,000 every step)."""
+    """After keep_freed_memory (a model with a weight over 32 MB, on a CPU), a step that makes and frees tensors of
+    32-128 MB, repeated, soon lands on pages already mapped: five steps then fault fewer pages than one fresh step
+    (glibc's default: ~94,000 every step)."""
     import resource
 
-    if not threads.keep_freed_memory(torch.device("cpu")):
+    large, small = torch.nn.Embedding(2**16, 2**7 + 1), torch.nn.Embedding(2**16, 2**7)  # 32 MB + 256 KB, 32 MB
+    assert not threads.keep_freed_memory(small, torch.device("cpu"))  # glibc reuses its blocks already: left alone
+    assert not threads.keep_freed_memory(large, torch.device("meta"))  # not a CPU: left alone
+    if not threads.keep_freed_memory(large, torch.device("cpu")):
         pytest.skip("not glibc: the allocator's settings are left alone")
-    assert not threads.keep_freed_memory(torch.device("meta"))  # not a CPU: left alone
 
     def step():
         a, b = torch.zeros(3 * 2**23), torch.zeros(5 * 2**22)  # zeroing writes every page
