@@ -3,7 +3,7 @@
 The trained weights stay float32 in every case (the master copy, see common.autocast); --dtype only sets the
 dtype the forward passes autocast to. bfloat16 halves the bytes a matmul moves and, where the hardware multiplies
 bf16 natively, doubles its throughput (one thread of an AVX-512 BF16 CPU: 209 GFLOP/s against 94 in float32); a
-GRPO step of SmolLM2-135M takes 0.68x the float32 time (benchmarks/step_speed.py). Where bf16 is emulated it is
+GRPO step of SmolLM2-135M takes 0.67x the float32 time (benchmarks/dtype_speed.py). Where bf16 is emulated it is
 slower than float32, so `auto` asks the hardware first.
 """
 
