@@ -124,7 +124,13 @@ def log_prob_attention(model, device):
 
         AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
         AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
-        model.set_attn_implementation(FLOAT32_SDPA)
+        try:
+            model.set_attn_implementation(FLOAT32_SDPA)
+        except (ValueError, NotImplementedError):  # a model without transformers' attention interface: as it is
+            pass
+        switch = config._attn_implementation == FLOAT32_SDPA
+        if not switch and getattr(config, "_attn_implementation", None) != "sdpa":
+            model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
@@ -141,7 +147,7 @@ def decoding_attention(model, prompt_ids, new_tokens):
     on a CPU under bfloat16 autocast, whose SDPA takes 4-5x its float32 time for one new token over a short cache
     (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
     under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
-    computed by token_logprobs with the model's own kernel, so they agree with each other to the bit as before."""
+    computed by token_logprobs with one kernel (log_prob_attention), so they agree with each other to the bit."""
     config = getattr(model, "config", None)
     rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
     plain = (
