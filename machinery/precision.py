@@ -87,6 +87,18 @@ def set_activation_checkpointing(model, on):
         model.gradient_checkpointing_disable()
 
 
+def sdpa_under_cpu_bf16(model, device):
+    """Whether `model` attends by torch's fused kernel (SDPA) on a CPU (its inputs on `device`) under bfloat16
+    autocast, where that kernel is slow (decoding_attention, log_prob_attention), and can be switched."""
+    return (
+        getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+        and hasattr(model, "set_attn_implementation")
+        and device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    )
+
+
 FLOAT32_SDPA = "sdpa_float32"  # the name transformers knows float32_sdpa by (registered on first use)
 
 
@@ -109,15 +121,8 @@ def log_prob_attention(model, device):
     autocast, where torch's fused kernel takes 3x its float32 time in the backward pass (SmolLM2, a layer of 8 rows:
     2.1 ms against 0.7); the matmuls around it stay bf16. Every log-prob of a step (policy, reference, old policy)
     is computed here, so they agree with each other to the bit as before."""
-    config = getattr(model, "config", None)
-    switch = (
-        getattr(config, "_attn_implementation", None) == "sdpa"
-        and hasattr(model, "set_attn_implementation")
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and device.type == "cpu"
-        and not activation_checkpointing(model)  # its backward runs the layer again, after this context: as it was
-    )
+    # Not with activation checkpointing: its backward runs the layer again, after this context, as it was.
+    switch = sdpa_under_cpu_bf16(model, device) and not activation_checkpointing(model)
     if switch:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -126,11 +131,9 @@ def log_prob_attention(model, device):
         AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
         try:
             model.set_attn_implementation(FLOAT32_SDPA)
-        except (ValueError, NotImplementedError):  # a model without transformers' attention interface: as it is
-            pass
-        switch = config._attn_implementation == FLOAT32_SDPA
-        if not switch and getattr(config, "_attn_implementation", None) != "sdpa":
+        except (ValueError, NotImplementedError):  # a model without transformers' attention interface: as it was
             model.set_attn_implementation("sdpa")
+        switch = model.config._attn_implementation == FLOAT32_SDPA
     try:
         yield
     finally:
@@ -148,15 +151,10 @@ def decoding_attention(model, prompt_ids, new_tokens):
     (docs/real_model.md: the CPU's limit), while the prompt's attention weights (rows x heads x length^2) stay
     under PLAIN_ATTENTION_MAX values. Sampling only: every log-prob of the step (policy, reference, old policy) is
     computed by token_logprobs with one kernel (log_prob_attention), so they agree with each other to the bit."""
-    config = getattr(model, "config", None)
     rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
     plain = (
-        getattr(config, "_attn_implementation", None) == "sdpa"
-        and hasattr(model, "set_attn_implementation")
-        and prompt_ids.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and rows * getattr(config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
+        sdpa_under_cpu_bf16(model, prompt_ids.device)
+        and rows * getattr(model.config, "num_attention_heads", 1) * length**2 <= PLAIN_ATTENTION_MAX
     )
     if plain:
         model.set_attn_implementation("eager")
