@@ -1,5 +1,7 @@
 """reward_model.py: the Bradley-Terry loss (by hand and against TRL's RewardTrainer), the score at the last real token,
-the same score through ppo.py's --reward-model, the preference data and its bad input, resume, and that it learns."""
+the same score through ppo.py's --reward-model (each text of a padded batch as if alone, in training and in use),
+micro-batches against the whole batch (training and held-out), the preference data's rules (no pair of equal gold
+rewards, a prompt's pairs on one side of the split) and its bad input, resume, and that it learns."""
 
 import collections
 import itertools
@@ -161,6 +163,23 @@ def test_training_and_scoring_read_each_text_as_it_is_scored_alone(tmp_path):
     scored = models.RewardModel(folder, CPU, torch.float32, batch_size=6).score(prompts, completions, [""] * 6)
     assert trained_on == pytest.approx(alone, abs=1e-5) and scored == pytest.approx(alone, abs=1e-5)
     assert max(alone) - min(alone) > 0.1  # scores far apart: a padded row that moved would show
+
+
+def test_held_out_evaluation_in_micro_batches_is_the_whole_sets(tmp_path):
+    """evaluate over micro-batches of 2 (2 + 2 + 1 pairs) gives the accuracy, mean margin and mean loss of the 5
+    held-out pairs scored at once, against the formulas written out here."""
+    folder = absolute_position_reward_model(tmp_path / "gpt2")
+    model, tokenizer = reward_model.load_reward_model(folder, CPU).eval(), models.load_tokenizer(folder)
+    pairs = [{"prompt": f"{i}=", "chosen": f"{i}" * (i % 3 + 1), "rejected": f"{9 - i}"} for i in range(5)]
+    with torch.no_grad():
+        chosen, rejected = reward_model.pair_rewards(model, tokenizer, pairs, CPU)
+    margins = (chosen - rejected).tolist()
+    scores = reward_model.evaluate(model, tokenizer, pairs, 2, CPU, torch.float32)
+    assert 0 < sum(m > 0 for m in margins) < 5  # some right, some wrong: an accuracy with something in it
+    assert scores["eval/accuracy"] == pytest.approx(sum(m > 0 for m in margins) / 5)
+    assert scores["eval/margin"] == pytest.approx(sum(margins) / 5, abs=1e-5)
+    by_hand = sum(math.log(1 + math.exp(-m)) for m in margins) / 5
+    assert scores["eval/bt_loss"] == pytest.approx(by_hand, abs=1e-5)
 
 
 def test_ppo_and_grpo_run_on_the_saved_model(trained, tmp_path):

@@ -783,6 +783,14 @@ MUTANTS = [
         replace="b_loss = loss.item()",
     ),
     dict(
+        name="rm-eval-loss-over-micro-batches",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "held_out_evaluation"],
+        what="the held-out loss is divided by the number of micro-batches, not of pairs",
+        find='"eval/bt_loss": bradley_terry_loss(margin, torch.zeros_like(margin), len(margin))',
+        replace='"eval/bt_loss": bradley_terry_loss(margin, torch.zeros_like(margin), len(margins))',
+    ),
+    dict(
         name="ppo-kl-horizon-against-prompts",
         file="ppo.py",
         tests=["tests/test_bad_input_flags_and_state.py", "-k", "count_completions"],
