@@ -20,7 +20,7 @@ import ppo
 import reward_model
 from machinery import models
 from machinery.errors import UsageError
-from tasks import preferences
+from tasks import copy_task, preferences
 from tasks.rewards import graded_copy_reward
 
 CPU = torch.device("cpu")
@@ -250,16 +250,29 @@ def test_the_gold_reward_and_the_bradley_terry_labeller():
 
 def test_no_labelled_pair_has_two_equal_gold_rewards():
     """Completions that differ but earn the same gold reward ("122" and "124" for "123", one place off by 1 each)
-    are drawn again like equal ones: no labeller could prefer either, so a coin-flip label would get in."""
+    are drawn again like equal ones: no labeller could prefer either, so a coin-flip label would get in. So is a
+    pair with an empty completion."""
     rng = random.Random(0)
-    sample = lambda prompts: [rng.choice(["122", "124", "123", "133"]) for _ in prompts]  # noqa: E731
+    sample = lambda prompts: [rng.choice(["122", "124", "123", "133", ""]) for _ in prompts]  # noqa: E731
     pairs = preferences.synthetic_pairs(sample, [{"prompt": "123=", "answer": "123"}], 300, 30.0, seed=0, batch=50)
     assert len(pairs) == 300 and all(p["gold_chosen"] != p["gold_rejected"] for p in pairs)
+    assert all(p["chosen"] and p["rejected"] for p in pairs)  # an empty completion is drawn again too
     for p in pairs:
         assert [graded_copy_reward("123=", p[k], "123") for k in ("chosen", "rejected")] == [
             p["gold_chosen"],
             p["gold_rejected"],
         ]
+
+
+def test_synthetic_held_out_pairs_are_on_the_held_out_prompts():
+    """The synthetic task's held-out pairs (a tenth as many) are drawn on the copy task's held-out prompts, which
+    its training pairs never use."""
+    rng = random.Random(0)
+    sample = lambda prompts: ["".join(rng.choices("0123456789", k=rng.randint(1, 4))) for _ in prompts]  # noqa: E731
+    train, test = preferences.load_pairs("synthetic", sample, 60, 30.0, seed=0)
+    held_out = {example["prompt"] for example in copy_task().test}
+    assert len(train) == 60 and len(test) == 6
+    assert {p["prompt"] for p in test} <= held_out and not {p["prompt"] for p in train} & held_out
 
 
 def test_a_policy_that_writes_nothing_new_is_refused():

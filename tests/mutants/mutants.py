@@ -879,6 +879,22 @@ MUTANTS = [
         replace="if not a or not b or a == b:",
     ),
     dict(
+        name="preferences-empty-completion-kept",
+        file="tasks/preferences.py",
+        tests=["tests/test_reward_model.py", "-k", "equal_gold"],
+        what="the labeller keeps a pair with an empty completion",
+        find="if not a or not b or gold_a == gold_b:",
+        replace="if gold_a == gold_b:",
+    ),
+    dict(
+        name="preferences-held-out-on-training-prompts",
+        file="tasks/preferences.py",
+        tests=["tests/test_reward_model.py", "-k", "held_out_prompts"],
+        what="the synthetic held-out pairs are drawn on the training prompts",
+        find="synthetic_pairs(sample, task.test, max(1, n_pairs // 10), beta, seed + 1)",
+        replace="synthetic_pairs(sample, task.train, max(1, n_pairs // 10), beta, seed + 1)",
+    ),
+    dict(
         name="preferences-split-by-pair",
         file="tasks/preferences.py",
         tests=["tests/test_reward_model.py", "-k", "one_side"],
