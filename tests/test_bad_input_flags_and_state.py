@@ -111,6 +111,18 @@ def test_principle1_ranges(module, flags, expected):
     assert str(e.value).startswith(expected), str(e.value)
 
 
+def test_principle1_ppos_batch_checks_count_completions_not_prompts():
+    """--kl-horizon and --num-minibatches are checked against the step's completions, prompts x samples per prompt:
+    4 prompts x 4 samples are 16 completions, 3 x 2 are 6."""
+    ok = dict(prompts_per_step=4, samples_per_prompt=4, target_kl=1.0, num_minibatches=2)
+    ppo.check_args(ppo.Args(**ok, kl_horizon=16))
+    with pytest.raises(UsageError, match="--kl-horizon 8 is below the 16 completions of a step"):
+        ppo.check_args(ppo.Args(**ok, kl_horizon=8))
+    ppo.check_args(ppo.Args(prompts_per_step=3, samples_per_prompt=2, num_minibatches=2))
+    with pytest.raises(UsageError, match="--num-minibatches 4 does not divide the batch of 6 completions"):
+        ppo.check_args(ppo.Args(prompts_per_step=3, samples_per_prompt=2, num_minibatches=4))
+
+
 CANNOT_ACT = [
     (grpo, dict(lora_alpha=16.0), "--lora-alpha 16.0 acts only on LoRA adapters, and --lora-rank is 0"),
     (grpo, dict(lora_dropout=0.1), "--lora-dropout 0.1 acts only on LoRA adapters"),

@@ -204,6 +204,24 @@ def test_principle2_step_bytes_counts_by_hand():
     assert critic_key in sharded
 
 
+def test_principle2_step_bytes_per_process_and_under_lora():
+    """Under torchrun each process generates and trains on its own rows: 4 prompts x 3 samples on 2 processes are 6
+    rows a process (its micro-batch of 8 holds those 6). A LoRA critic, like the LoRA policy, has its backbone frozen
+    (4 bytes a parameter) and its adapters and value head trained (16)."""
+    config = tiny_qwen2()
+    for module, samples in ((grpo, dict(group_size=3)), (ppo, dict(samples_per_prompt=3))):
+        args = module.Args(prompts_per_step=4, max_new_tokens=4, micro_batch_size=8, **samples)
+        parts = model_checks.step_bytes(args, config, world_size=2)[1]
+        assert parts["the generation's KV cache"] == 6 * 5 * 2 * 2 * 4 * 2  # rows, positions, layers, k v, kv dim, bf16
+        assert parts["the generation's logits"] == 6 * 10 * 4
+        assert parts["a micro-batch's logits"] == 6 * 4 * 10 * 2 * 2
+    layer = (8 * 8 + 8) + 2 * (8 * 4 + 4) + 8 * 8 + 3 * 8 * 16 + 2 * 8
+    backbone = 10 * 8 + 2 * layer + 8
+    adapters = 2 * 16 * ((8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8))  # rank 16 on each linear layer
+    critic = model_checks.step_bytes(ppo.Args(lora_rank=16), config)[1]["the critic's weights and optimizer state"]
+    assert critic == 4 * backbone + 16 * adapters + 16 * (8 + 1)
+
+
 def test_principle2_the_parameters_counted_are_the_models_own():
     """The skeleton's count against the parameters of the model itself, built on the CPU (an independent count),
     for a policy, a critic's backbone, and a GPT-2 (no gated MLP, Conv1D layers)."""

@@ -139,3 +139,11 @@ def test_a_step_with_dynamic_sampling_trains_on_informative_groups(tmp_path, mon
     prompts = d["prompt_ids"].view(3, 4, -1)
     assert torch.equal(prompts, prompts[:, :1].expand_as(prompts))  # a group's rows share their prompt
     assert not torch.equal(prompts[0, 0], prompts[1, 0])  # and the groups are different prompts
+
+
+def test_dynamic_sampling_under_torchrun_fills_each_processs_share(monkeypatch):
+    """On 2 processes each samples and keeps its own prompts_per_step / 2 groups: 4 prompts a step are 2 groups
+    here, which the first round's 2 informative groups fill (not the whole step's 4, which would draw again)."""
+    monkeypatch.setattr(grpo.dist, "world_size", lambda: 2)
+    batch, drawn = run_dynamic_sampling([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]], prompts_per_step=4)
+    assert drawn == 1 and batch["prompts"] == ["p1.0", "p1.1", "p1.2", "p1.3"]

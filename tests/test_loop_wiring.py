@@ -49,6 +49,46 @@ def test_adaptive_kl_coef_between_its_clips(kl, expected):
     assert kl_coef == pytest.approx(expected, rel=1e-9)
 
 
+def test_next_kl_coef_under_torchrun_is_every_processs_and_the_same_on_each():
+    """Two processes of 3 completions each, their KLs far apart: given the gather of both, each process's next
+    coefficient is that of the 6 completions at once (mean KL and count), so the two stay equal; one process's
+    own 3 would move its coefficient elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    args = ppo.Args(target_kl=2.0, kl_horizon=12)
+
+    def process_batch(shift):
+        old = torch.randn(3, 4, generator=g)
+        mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
+        return dict(old_logp=old, ref_logp=old - shift, completion_mask=mask, kl_coef=torch.tensor(0.1))
+
+    batches = [process_batch(0.2), process_batch(1.5)]  # summed KL 0.2 and 1.5 per token
+    sums = [(b["old_logp"] - b["ref_logp"]) * b["completion_mask"] for b in batches]
+    both = torch.cat([s.sum(1) for s in sums])  # [6], in rank order
+    expected = 0.1 * (1 + min(max(both.mean().item() / 2.0 - 1, -0.2), 0.2) * 6 / 12)
+    sent = []  # what each process hands the gather: its own completions' summed KL
+    alone = [ppo.next_kl_coef(b, args, gather=lambda x: sent.append(x) or x) for b in batches]
+    assert torch.allclose(torch.cat(sent), both)
+    gathered = [ppo.next_kl_coef(b, args, gather=lambda x: torch.cat(sent)) for b in batches]
+    assert gathered[0] == gathered[1] == pytest.approx(expected, rel=1e-6)
+    assert alone[0] != pytest.approx(alone[1], rel=1e-3) and all(a != pytest.approx(expected, rel=1e-3) for a in alone)
+
+
+def test_ppo_loop_hands_the_controller_every_processs_completions(tmp_path, monkeypatch):
+    """The loop gives next_kl_coef the gather over the processes: with a gather that adds a second process's 8
+    completions (here a copy of this one's), step 1's clipped error of -0.2 moves the coefficient by 16 / 16 of it,
+    not by this process's 8 / 16."""
+    from machinery import distributed as dist
+
+    monkeypatch.setattr(
+        dist, "gather", lambda *xs: tuple(torch.cat([x, x]) for x in xs) if len(xs) > 1 else torch.cat([xs[0]] * 2)
+    )
+    flags = dict(num_steps=2, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=4, update_epochs=1)
+    flags.update(kl_coef=0.05, target_kl=1.0, kl_horizon=16, sample_every=0, dump_dir=str(tmp_path / "dump"))
+    ppo.main(ppo.Args(**flags, output_dir=str(tmp_path / "runs")))
+    step2 = load_file(str(tmp_path / "dump" / "step000002.safetensors"))
+    assert step2["kl_coef"].item() == pytest.approx(0.05 * (1 - 0.2 * 16 / 16), rel=1e-6)
+
+
 def first_eos_lengths(completion_ids):
     lengths = []
     for row in completion_ids.tolist():

@@ -552,3 +552,22 @@ def test_critic_starts_from_the_policy_weights(lm):
     assert set(critic) - backbone == {"value_head.weight", "value_head.bias"}  # only the value head is new
     assert critic_model.value_head.weight.shape == (1, 32)
     assert not critic_model.value_head.weight.any() and not critic_model.value_head.bias.any()  # starts at zero
+
+
+def test_the_lm_head_reads_a_contiguous_input_trainable_or_frozen():
+    """With logits_to_keep the hidden states are a strided view, on which torch's matmul takes one kernel for a
+    trainable weight and another for a frozen one (docs/testing.md): the head of every causal LM loaded, a trainable
+    policy and its frozen reference alike, is given a contiguous copy, whatever kernel this CPU has."""
+    from machinery import lora
+
+    policy = models.load_causal_lm(models.TINY_MODEL, models.CPU)
+    reference = lora.reference(policy, grpo.Args(), models.CPU)
+    ids = torch.tensor([[4, 5, 17, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]])  # two rows: a strided view
+    for model, trainable in ((policy, True), (reference, False), (policy, False)):
+        model.requires_grad_(trainable)
+        seen = []
+        hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        logits = model(input_ids=ids, logits_to_keep=3).logits
+        hook.remove()
+        assert [(x.shape[1], x.is_contiguous()) for x in seen] == [(3, True)]
+        assert torch.equal(logits, model.get_output_embeddings()(seen[0].clone()))

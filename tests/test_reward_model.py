@@ -1,10 +1,14 @@
 """reward_model.py: the Bradley-Terry loss (by hand and against TRL's RewardTrainer), the score at the last real token,
-the same score through ppo.py's --reward-model, the preference data and its bad input, resume, and that it learns."""
+the same score through ppo.py's --reward-model (each text of a padded batch as if alone, in training and in use),
+micro-batches against the whole batch (training and held-out), the preference data's rules (no pair of equal gold
+rewards, a prompt's pairs on one side of the split) and its bad input, resume, and that it learns."""
 
+import collections
 import itertools
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ import ppo
 import reward_model
 from machinery import models
 from machinery.errors import UsageError
-from tasks import preferences
+from tasks import copy_task, preferences
 from tasks.rewards import graded_copy_reward
 
 CPU = torch.device("cpu")
@@ -119,6 +123,65 @@ def test_the_saved_model_loads_and_scores_the_same_through_ppos_reward_model(tra
     assert ours.tolist() == pytest.approx(theirs, abs=1e-6)
 
 
+def absolute_position_reward_model(folder):
+    """A random GPT-2 reward model (absolute positions, a wide init) on the tiny tokenizer, saved in `folder`: a
+    row padded on its left reads its tokens at other positions and scores differently, which rotary positions
+    (the tiny model's) would hide."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5, num_labels=1
+    )
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_training_and_scoring_read_each_text_as_it_is_scored_alone(tmp_path):
+    """Texts of different lengths in one batch, through reward_model.py's pair_rewards (training) and through
+    --reward-model's RewardModel.score (use): each score is that of its text scored alone, unpadded. A row padded
+    on the other side (the tokenizer's own, left) moves its tokens' positions."""
+    folder = absolute_position_reward_model(tmp_path / "gpt2")
+    pairs = [
+        {"prompt": "1=", "chosen": "1", "rejected": "123456"},
+        {"prompt": "12345=", "chosen": "12345", "rejected": "9"},
+        {"prompt": "7=", "chosen": "70", "rejected": "7"},
+    ]
+    prompts, completions = (
+        [p["prompt"] for p in pairs] * 2,
+        [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+    )
+    model, tokenizer = reward_model.load_reward_model(folder, CPU).eval(), models.load_tokenizer(folder)
+    with torch.no_grad():
+        alone = [
+            model(**models.reward_inputs(tokenizer, [p], [c])).logits[0, 0].item() for p, c in zip(prompts, completions)
+        ]
+        trained_on = torch.cat(reward_model.pair_rewards(model, tokenizer, pairs, CPU)).tolist()
+    scored = models.RewardModel(folder, CPU, torch.float32, batch_size=4).score(prompts, completions, [""] * 6)  # 4 + 2
+    assert trained_on == pytest.approx(alone, abs=1e-5) and scored == pytest.approx(alone, abs=1e-5)
+    assert max(alone) - min(alone) > 0.1  # scores far apart: a padded row that moved would show
+
+
+def test_held_out_evaluation_in_micro_batches_is_the_whole_sets(tmp_path):
+    """evaluate over micro-batches of 2 (2 + 2 + 1 pairs) gives the accuracy, mean margin and mean loss of the 5
+    held-out pairs scored at once, against the formulas written out here."""
+    folder = absolute_position_reward_model(tmp_path / "gpt2")
+    model, tokenizer = reward_model.load_reward_model(folder, CPU).eval(), models.load_tokenizer(folder)
+    pairs = [{"prompt": f"{i}=", "chosen": f"{i}" * (i % 3 + 1), "rejected": f"{9 - i}"} for i in range(5)]
+    with torch.no_grad():
+        chosen, rejected = reward_model.pair_rewards(model, tokenizer, pairs, CPU)
+    margins = (chosen - rejected).tolist()
+    scores = reward_model.evaluate(model, tokenizer, pairs, 2, CPU, torch.float32)
+    assert 0 < sum(m > 0 for m in margins) < 5  # some right, some wrong: an accuracy with something in it
+    assert scores["eval/accuracy"] == pytest.approx(sum(m > 0 for m in margins) / 5)
+    assert scores["eval/margin"] == pytest.approx(sum(margins) / 5, abs=1e-5)
+    by_hand = sum(math.log(1 + math.exp(-m)) for m in margins) / 5
+    assert scores["eval/bt_loss"] == pytest.approx(by_hand, abs=1e-5)
+
+
 def test_ppo_and_grpo_run_on_the_saved_model(trained, tmp_path):
     common = dict(reward_model=trained, num_steps=2, sample_every=0, output_dir=str(tmp_path))
     for scores in (
@@ -127,6 +190,26 @@ def test_ppo_and_grpo_run_on_the_saved_model(trained, tmp_path):
     ):
         assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
         assert not set(scores) <= {0.0, 1.0 / 3, 2.0 / 3, 1.0}  # the reward model's scores, not copy_reward's
+
+
+def first_step_scalars(folder, *names):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(folder, size_guidance={"scalars": 0})
+    events.Reload()
+    return [events.Scalars(name)[0].value for name in names]
+
+
+@pytest.mark.parametrize("micro_batch_size", [6, 5])
+def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tmp_path, micro_batch_size):
+    """A batch of 12 pairs in micro-batches of 6 + 6 or 5 + 5 + 2 against the whole batch at once: the same logged
+    loss and gradient norm at step 1 (each micro-batch's loss is its share of the batch's mean, not its own mean)."""
+    path = write_pairs(tmp_path, good_rows(40))
+    flags = dict(task=f"jsonl:{path}", num_steps=1, batch_size=12, eval_every=0)
+    whole = run(tmp_path / "whole", micro_batch_size=12, **flags)[1]
+    split = run(tmp_path / "split", micro_batch_size=micro_batch_size, **flags)[1]
+    names = ("losses/bt_loss", "losses/grad_norm")
+    assert first_step_scalars(split, *names) == pytest.approx(first_step_scalars(whole, *names), rel=1e-4)
 
 
 def test_reward_texts_of_a_conversation_and_of_strings_are_one_text():
@@ -165,6 +248,33 @@ def test_the_gold_reward_and_the_bradley_terry_labeller():
     assert all(p["gold_chosen"] == graded_copy_reward("123=", p["chosen"], "123") for p in pairs)
 
 
+def test_no_labelled_pair_has_two_equal_gold_rewards():
+    """Completions that differ but earn the same gold reward ("122" and "124" for "123", one place off by 1 each)
+    are drawn again like equal ones: no labeller could prefer either, so a coin-flip label would get in. So is a
+    pair with an empty completion."""
+    rng = random.Random(0)
+    sample = lambda prompts: [rng.choice(["122", "124", "123", "133", ""]) for _ in prompts]  # noqa: E731
+    pairs = preferences.synthetic_pairs(sample, [{"prompt": "123=", "answer": "123"}], 300, 30.0, seed=0, batch=50)
+    assert len(pairs) == 300 and all(p["gold_chosen"] != p["gold_rejected"] for p in pairs)
+    assert all(p["chosen"] and p["rejected"] for p in pairs)  # an empty completion is drawn again too
+    for p in pairs:
+        assert [graded_copy_reward("123=", p[k], "123") for k in ("chosen", "rejected")] == [
+            p["gold_chosen"],
+            p["gold_rejected"],
+        ]
+
+
+def test_synthetic_held_out_pairs_are_on_the_held_out_prompts():
+    """The synthetic task's held-out pairs (a tenth as many) are drawn on the copy task's held-out prompts, which
+    its training pairs never use."""
+    rng = random.Random(0)
+    sample = lambda prompts: ["".join(rng.choices("0123456789", k=rng.randint(1, 4))) for _ in prompts]  # noqa: E731
+    train, test = preferences.load_pairs("synthetic", sample, 60, 30.0, seed=0)
+    held_out = {example["prompt"] for example in copy_task().test}
+    assert len(train) == 60 and len(test) == 6
+    assert {p["prompt"] for p in test} <= held_out and not {p["prompt"] for p in train} & held_out
+
+
 def test_a_policy_that_writes_nothing_new_is_refused():
     sample = lambda prompts: ["5"] * len(prompts)  # noqa: E731  every pair equal
     with pytest.raises(UsageError, match="usable pairs"):
@@ -189,6 +299,25 @@ def test_jsonl_pairs_standard_and_conversational(tmp_path):
     implicit = preferences.check_pair({"chosen": [user, a], "rejected": [user, b]}, "here")  # TRL's implicit prompt
     assert explicit == implicit == {"prompt": [user], "chosen": [a], "rejected": [b], "where": "here"}
     assert preferences.check_pair({"prompt": "hi", "chosen": [a], "rejected": [b]}, "here")["prompt"] == [user]
+
+
+def test_jsonl_held_out_split_keeps_each_prompts_pairs_on_one_side(tmp_path):
+    """A prompt with several pairs (strings, or a conversation's turns) lands on one side of the split, whole: held
+    out, none of its pairs is trained on."""
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    answer = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    rows = [{"prompt": f"{i}=", "chosen": f"{i}{j}", "rejected": f"{j}{i}9"} for i in range(30) for j in range(3)]
+    rows += [
+        {"prompt": user(f"c{i}"), "chosen": answer(f"a{j}"), "rejected": answer(f"b{j}")}
+        for i in range(10)
+        for j in range(2)
+    ]
+    train, test = preferences.load_pairs(f"jsonl:{write_pairs(tmp_path, rows)}", None, 0, 0, 0)
+    key = lambda pair: json.dumps(pair["prompt"])  # noqa: E731
+    assert len(train) + len(test) == len(rows) and test
+    assert {key(p) for p in train}.isdisjoint(key(p) for p in test)
+    held_out = collections.Counter(key(p) for p in test)
+    assert all(held_out[k] == (3 if k.endswith('="') else 2) for k in held_out)
 
 
 @pytest.mark.parametrize(

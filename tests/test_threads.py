@@ -149,6 +149,33 @@ def test_auto_follows_a_busy_process_that_starts_and_stops_mid_run(monkeypatch, 
         threads.FOLLOW.clear()
 
 
+@pytest.mark.parametrize("cores, default, cap", [(8, 2, 2), (2, 4, 2)])
+def test_auto_follows_idle_cores_up_to_torchs_default_and_its_cores(monkeypatch, cores, default, cap):
+    """Following the idle cores, auto never goes above torch's own default (2, with all 8 cores idle), nor above
+    the cores this process may run on (2 of the machine's 8, all idle, where torch's default is 4)."""
+    import torch
+
+    clock = {"wall": 0.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(threads, "cpu_times", lambda: (clock["wall"], clock["busy"], clock["own"]))
+    monkeypatch.setattr(threads, "time", types.SimpleNamespace(perf_counter=lambda: clock["wall"]))
+    monkeypatch.setattr(threads, "idle_cores", lambda seconds=0.2: 8.0)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)  # the machine's; `cores` this process's affinity
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setitem(threads.TORCH_DEFAULT, "threads", default)
+    before = torch.get_num_threads()
+    try:
+        assert threads.resolve_threads("auto") == cap
+        for _ in range(3):  # seconds with every core idle but this process's own
+            clock["wall"] += 2.0
+            clock["own"] = clock["busy"] = clock["busy"] + 1.0
+            assert threads.follow_idle_cores() == cap
+    finally:
+        torch.set_num_threads(before)
+        threads.FOLLOW.clear()
+
+
 def test_every_loaded_model_checks_the_idle_cores_before_its_forward_pass():
     """A long step (a real model's rollout) sees a busy process start within its forward passes, not at its end."""
     from machinery import models

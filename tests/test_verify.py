@@ -5,6 +5,7 @@ minimum a pass needs: test_verify_accept.py; dumps verify must refuse or replay:
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -149,6 +150,30 @@ def test_an_adapter_that_ends_the_process_in_the_script_is_not_a_pass(verify_dum
     argv = [sys.executable, os.path.join(ROOT, "verify.py"), verify_dumps["plain"], "--against", str(adapter)]
     out = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert out.returncode == 3 and "loss() ended verify's process" in out.stderr, out
+
+
+def test_a_child_ended_outside_an_adapter_call_gives_its_own_status(capsys):
+    """verify's child process killed by a signal N where no adapter call runs (the kernel's out-of-memory killer:
+    SIGKILL) exits 128 + N, 137, never a FAIL (1) nor an adapter mistake (3); one that exits with a status of its
+    own gives it; inside an adapter call, any end is the adapter's mistake (3)."""
+    from verifier import calls, isolation
+
+    def killed(signum, inside=None):
+        def target(opts):
+            if inside:
+                calls.mark(inside)
+            if signum != signal.SIGKILL:  # a handler an earlier test left (StopSignal's) would catch SIGTERM
+                signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        return target
+
+    assert isolation.run(killed(signal.SIGKILL), None, threads=1) == 137
+    assert "ended before its report (killed by SIGKILL)" in capsys.readouterr().err
+    assert isolation.run(killed(signal.SIGTERM), None, threads=1) == 128 + signal.SIGTERM
+    assert isolation.run(lambda opts: os._exit(5), None, threads=1) == 5
+    assert isolation.run(killed(signal.SIGKILL, "adapter 'mine''s loss()"), None, threads=1) == 3
+    assert "adapter 'mine''s loss() ended verify's process (killed by SIGKILL" in capsys.readouterr().err
 
 
 def test_ctrl_c_in_the_adapter(verify_dumps, capsys, tmp_path):

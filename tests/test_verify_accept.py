@@ -106,6 +106,60 @@ def test_one_row_compared_is_not_a_pass(verify_dumps, capsys, tmp_path):
     assert rows(out)["log-probs"] == "pass"
 
 
+ALONE = {
+    "advantages": "group_advantages, gae = ours.group_advantages, ours.gae\n",
+    "loss rows": "per_token_loss, loss = ours.per_token_loss, ours.loss\n",
+}
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+@pytest.mark.parametrize("alone", list(ALONE))
+def test_the_advantages_or_the_loss_rows_alone_are_not_a_pass(verify_dumps, capsys, tmp_path, script, alone):
+    """A pass needs both: the advantages compared without a loss row, or the loss rows without the advantages, is
+    INCOMPLETE (exit 4) however well they agree; both together pass."""
+    head = "from verifier.calls import load_adapter\nours = load_adapter('self')\n"
+    code, out, _ = run(capsys, verify_dumps[script], "--against", write_adapter(tmp_path, head + ALONE[alone]))
+    compared = "advantages" if alone == "advantages" else "per-token loss, loss"
+    assert code == verify_report.INCOMPLETE and out.splitlines()[-1].startswith(f"INCOMPLETE: compared {compared}"), out
+    both = write_adapter(tmp_path, head + "".join(ALONE.values()), "both.py")
+    code, out, _ = run(capsys, verify_dumps[script], "--against", both)
+    assert code == 0 and out.splitlines()[-1].startswith("PASS: "), out
+
+
+SNOOP = """
+from verifier.calls import load_adapter
+ours = load_adapter("self")
+ANSWERS = {  # what each function's result is compared with, and so must never be among its inputs
+    "token_logprobs": ("old_logp", "new_logp", "ref_logp"),
+    "group_advantages": ("advantages",),
+    "gae": ("advantages", "returns"),
+    "rewards": ("rewards",),
+    "per_token_loss": ("per_token_loss", "loss"),
+    "loss": ("per_token_loss", "loss"),
+}
+
+def snooping(name):
+    def function(*inputs):
+        given = [key for key in ANSWERS[name] if key in inputs[-2]]
+        if given:
+            raise ValueError(f"{name} was handed {given}")
+        return getattr(ours, name)(*inputs)
+    return function
+
+for name in ANSWERS:
+    globals()[name] = snooping(name)
+"""
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_no_adapter_call_is_handed_its_answer(verify_dumps, capsys, tmp_path, script):
+    """Every call of each function, token_logprobs on the policy and on the reference alike, gets its inputs
+    without the values it is compared with (an adapter that read them would pass by echoing them)."""
+    code, out, err = run(capsys, verify_dumps[script], "--against", write_adapter(tmp_path, SNOOP))
+    assert code == 0 and "was handed" not in err, (out, err)
+    assert rows(out)["log-probs"] == "pass", out
+
+
 ECHO = """
 import torch
 from verifier.calls import load_adapter
