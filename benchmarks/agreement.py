@@ -123,7 +123,7 @@ def cell(report, quantity, note):
     if status == "pass":
         return f"agrees ({size})"
     if status == "known":
-        return f"differs {size} [{note(describe_known(row["known"]))}]"
+        return f"differs {size} [{note(describe_known(row['known']))}]"
     return f"**differs {size}** [{note(None)}]"
 
 

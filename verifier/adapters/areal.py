@@ -164,10 +164,10 @@ def _unsupported(args, loss=False):
 def known_differences(args, options):
     """{quantity: the difference, where it is in AReaL, and how large it can be}: what --accept can take."""
     out = {}
-    if args["script"] == "grpo" and args["scale_rewards"] != "none":
+    if args["script"] == "grpo":
         out["advantages"] = dict(
             why="AReaL normalises the advantages over tokens (adv_norm on each token's return, masked by the loss "
-            "mask): a group's mean and std weigh each completion by its length, grpo.py's by one; the same when a "
+            "mask): a group's mean (and std) weigh each completion by its length, grpo.py's by one; the same when a "
             "group's completions are equally long (measured on verify.py's recommended dump: rel 5e-02)",
             where="areal/trainer/ppo/actor.py, PPOActor._compute_advantages (self.adv_norm(advantages, loss_mask))",
             bound=("rel", 0.1),
