@@ -1,7 +1,8 @@
 """AReaL 1.0.4 through verify.py (verifier/adapters/areal.py): its actor loss agrees once the dump takes its
-settings (no KL in the loss, the token mean), its PPO rewards, returns, KL and loss agree, its advantages differ by
-named differences accepted within their bounds, and a bug planted in a copy of its advantage or loss code fails
-that row. Skips where AReaL is not installed apart (requirements/areal.txt)."""
+settings (no KL in the loss, the token mean), its log-probs and gradient on its right-padded layout agree, its PPO
+rewards, returns, KL and loss agree, its advantages differ by named differences accepted within their bounds, and a
+bug planted in a copy of its advantage, log-prob or loss code fails that row. Skips where AReaL is not installed
+apart (requirements/areal.txt)."""
 
 import pytest
 from verify_helpers import GRPO_RECIPE, make_dump, planted_site, rows, run, site
@@ -29,14 +30,15 @@ def test_areal_grpo_passes_with_its_token_weighted_advantages_accepted(areal_grp
     assert code == 1 and results["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
     code, out, _ = run(capsys, areal_grpo, "--against", "areal", "--accept", "advantages")
     results = rows(out)
-    assert code == 0 and results["per-token loss"] == "pass" and results["loss"] == "pass", out
+    assert code == 0 and all(results[q] == "pass" for q in ["log-probs", "per-token loss", "loss", "gradient"]), out
     assert results["advantages"].startswith("differs (known: AReaL normalises the advantages over tokens"), out
 
 
 def test_areal_ppo_agrees_but_for_its_whitening(verify_dumps, areal_site, capsys):
     code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "areal", "--accept", "advantages")
     results = rows(out)
-    assert code == 0 and all(results[q] == "pass" for q in ["rewards", "returns", "kl", "per-token loss", "loss"])
+    expected = ["rewards", "returns", "log-probs", "kl", "per-token loss", "loss", "gradient"]
+    assert code == 0 and all(results[q] == "pass" for q in expected), out
     assert results["advantages"].startswith("differs (known: AReaL whitens GAE's advantages"), out
 
 
@@ -54,6 +56,15 @@ BUGS = {  # file under areal/, the line, the bug, the dump, the rows it fails (a
         "pg_loss = torch.min(pg_loss1, pg_loss2)",
         "grpo",
         ["per-token loss", "loss"],
+    ),
+    "log-probs without the temperature": (
+        "utils/functional/vocab_parallel.py",
+        "def _gather_logprobs(\n    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0\n):\n"
+        "    log_probs = torch.nn.functional.log_softmax(logits.float() / temperature, dim=-1)",
+        "def _gather_logprobs(\n    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0\n):\n"
+        "    log_probs = torch.nn.functional.log_softmax(logits.float(), dim=-1)",
+        "grpo",
+        ["log-probs", "gradient"],
     ),
     "GAE without the discount on the next value": (
         "trainer/ppo/actor.py",

@@ -14,15 +14,19 @@ What is called, unchanged (read in .areal-site/areal):
                         (utils/functional/functional.py: token or GSPO's sequence ratio), scaled by the engine's
                         loss_weight_fn share (engine/fsdp_engine.py: local weight / total weight, the micro-batch's
                         tokens over the minibatch's); PPO: + vf_coef * ppo_critic_loss_fn, scaled the same way
+  log-probs             the engine's (engine/fsdp_engine.py): the batch in AReaL's right-padded layout,
+                        utils/data.py amend_position_ids, the labels rolled by one, utils/functional/vocab_parallel.py
+                        gather_logprobs on logits / temperature (the gradient row's log-probs too)
 
 AReaL's package __init__ files import its inference and training engines; the modules above are loaded one by
 one instead. Stand-ins, while they load, for what they import and these calls never use: areal.api and
 areal.api.cli_args (engine and config classes, annotations), areal.infra and the experimental controller (the
 controller classes actor.py defines beside PPOActor), areal.utils.logging (colorlog), stats_tracker and perf_tracer
 (logging of statistics: no-ops), seqpack (numba), einops and torchdata (imported by utils/data.py for its other
-functions). Nothing of AReaL is copied here. AReaL has no KL term in the loss (kl_ctl puts it in the reward), one
-loss aggregation (the token mean) and no adaptive KL controller; its critic's values come from this project's
-critic. There is no `update`: AReaL's optimizer is its engine's.
+functions); areal.infra.platforms says is_npu_available, so vocab_parallel.py gathers eagerly rather than under
+torch.compile (its NPU path: the same function, uncompiled). Nothing of AReaL is copied here. AReaL has no KL term
+in the loss (kl_ctl puts it in the reward), one loss aggregation (the token mean) and no adaptive KL controller;
+its critic's values come from this project's critic. There is no `update`: AReaL's optimizer is its engine's.
 """
 
 import contextlib
@@ -81,7 +85,8 @@ def _stub(module):
     elif name == "areal.utils.perf_tracer":
         module.trace_perf = _identity_decorator
     elif name == "areal.infra.platforms":
-        module.current_platform, module.is_npu_available = None, False
+        # True: vocab_parallel.py's log-prob gather runs eagerly, not under torch.compile (a speed choice only)
+        module.current_platform, module.is_npu_available = None, True
     else:  # classes and helpers imported by name and never called here
         module.__getattr__ = lambda attribute: type(attribute, (), {})
 
@@ -128,6 +133,7 @@ def _load():
             )  # what the package's __init__ re-exports (its vocab_parallel import needs the platforms)
             actor = __import__("areal.trainer.ppo.actor", fromlist=["*"])
             data = sys.modules["areal.utils.data"]
+            vocab = __import__("areal.utils.functional.vocab_parallel", fromlist=["*"])
     finally:  # AReaL's modules stay loaded under this adapter's names; sys.modules is as it was
         for name in set(sys.modules) - before:
             if name.startswith("areal"):
@@ -137,10 +143,10 @@ def _load():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
-    return actor, functional, data
+    return actor, functional, data, vocab
 
 
-actor, functional, data = _load()
+actor, functional, data, vocab = _load()
 OPTIONS = {}
 
 
@@ -203,13 +209,13 @@ def _layout(batch):
     where = prompt_len[:, None] + torch.arange(T)  # [N, T]
     length = prompt_len + batch["completion_mask"].sum(1).long()
     attention_mask = (torch.arange(width) < length[:, None]).float()
-    loss_mask = _at(batch["completion_mask"], where, width)  # 1 on completion tokens
+    loss_mask = _at(batch["completion_mask"].float(), where, width)  # 1 on completion tokens
     return where, attention_mask, loss_mask
 
 
 def _at(values, where, width):
     """[N, T] values -> AReaL's layout [N, width], at the positions `where`."""
-    return torch.zeros(len(where), width).scatter_(1, where, values.float())
+    return torch.zeros(len(where), width, dtype=values.dtype).scatter_add_(1, where, values)
 
 
 def _advantages(batch, args):
@@ -262,11 +268,11 @@ def _advantages(batch, args):
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         rewards=score.float().clone(),
-        logprobs=_at(old_logp, where, width),  # at each token's own position: the actor rolls them by one
-        ref_logp=_at(ref_logp, where - 1, width),  # at the position that predicts the token, as the loss mask
+        logprobs=_at(old_logp.float(), where, width),  # at each token's own position: the actor rolls them by one
+        ref_logp=_at(ref_logp.float(), where - 1, width),  # at the position that predicts the token, as the loss mask
     )
     if not grpo:
-        d["values"] = _at(batch["values"], where - 1, width)
+        d["values"] = _at(batch["values"].float(), where - 1, width)
     out = actor.PPOActor._compute_advantages(me, d)
     return out, where - 1
 
@@ -357,7 +363,35 @@ def loss(batch, args):
     return _losses(batch["new_logp"], batch, args, batch.get("new_values"))
 
 
+def token_logprobs(model, batch, args):
+    """The engine's log-probs on AReaL's layout (right-padded): amend_position_ids, the labels rolled by one and
+    gather_logprobs on logits / temperature (engine/fsdp_engine.py), read back at each completion token."""
+    where, attention_mask, _ = _layout(batch)
+    width = attention_mask.shape[1]
+    input_ids = _at(batch["prompt_ids"] * batch["prompt_mask"], _prompt_positions(batch), width)
+    input_ids = input_ids + _at(batch["completion_ids"] * batch["completion_mask"], where, width)
+    inputs = data.amend_position_ids(dict(input_ids=input_ids, attention_mask=attention_mask))
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs["position_ids"]).logits
+    labels = torch.roll(input_ids, shifts=-1, dims=-1)
+    logprobs = vocab.gather_logprobs(logits, labels, temperature=args["temperature"])
+    return logprobs.gather(1, where - 1) * batch["completion_mask"]
+
+
+def _prompt_positions(batch):
+    """Where each prompt token goes in AReaL's layout: the real ones first, from position 0 (padding: 0, adding 0)."""
+    mask = batch["prompt_mask"].long()
+    order = torch.argsort(1 - mask, dim=1, stable=True)  # the real tokens first, in order
+    positions = torch.empty_like(order)
+    positions.scatter_(1, order, torch.arange(mask.shape[1]).expand_as(order).contiguous())
+    return torch.where(mask.bool(), positions, 0)
+
+
 def train_loss(model, batch, args, critic=None):
-    raise NotImplementedError(
-        "AReaL's log-probs come from its engine's forward (packed sequences, its own position ids): not wired here"
-    )
+    new_logp = token_logprobs(model, batch, args)
+    new_values = None
+    if critic is not None:  # this project's critic: AReaL's is its engine's model
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        T = batch["completion_ids"].shape[1]
+        new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
+    return _losses(new_logp, batch, args, new_values)
