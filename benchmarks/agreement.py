@@ -81,6 +81,80 @@ MODES = {
     ),
     "PPO, verify.py's recommended dump (k1 penalty, GAE, adaptive KL)": ("ppo", PPO_RECIPE),
 }
+# Each real difference the table shows: (peer, quantity, what differs, the peer's line that makes it, what it is).
+# Its size is the largest the run measures for that peer and quantity, over the variants where it differs.
+REAL_DIFFERENCES = [
+    (
+        "TRL 1.16",
+        "log-probs",
+        "the forward passes no position ids: a left-padded prompt is shifted on a model with "
+        "absolute positions (tiny-gpt2); rotary models hide it",
+        "trl/trainer/grpo_trainer.py, _get_per_token_logps_and_entropies",
+        "undocumented choice (wrong on absolute positions)",
+    ),
+    (
+        "TRL 1.16",
+        "update",
+        "the HF Trainer spares biases and norm weights from weight decay (with the log-probs above, on tiny-gpt2)",
+        "transformers Trainer.get_decay_parameter_names",
+        "documented choice",
+    ),
+    (
+        "verl 0.9.1",
+        "per-token loss",
+        "dual clip on by default (clip_ratio_c 3 bounds the loss of a negative "
+        "advantage at 3 |A|): tiny-gpt2's ratios pass 3",
+        "verl/trainer/ppo/core_algos.py, compute_policy_loss_vanilla",
+        "documented choice",
+    ),
+    (
+        "verl 0.9.1",
+        "advantages",
+        "PPO: GAE's advantages whitened with the unbiased variance",
+        "verl/utils/torch_functional.py, masked_whiten",
+        "undocumented choice",
+    ),
+    (
+        "OpenRLHF 0.11.2",
+        "advantages",
+        "GRPO: the group's std + 1e-9, whatever the config's eps",
+        "openrlhf/trainer/ppo_utils/experience_maker.py, compute_advantages_and_returns",
+        "undocumented choice",
+    ),
+    (
+        "SkyRL 0.4.0",
+        "advantages",
+        "GRPO: the group's std + 1e-6 (the trainer passes no epsilon); PPO: GAE's "
+        "advantages whitened with the unbiased variance",
+        "skyrl/backends/skyrl_train/utils/ppo_utils.py, compute_grpo_outcome_advantage and masked_whiten",
+        "undocumented choice",
+    ),
+    (
+        "SkyRL 0.4.0",
+        "loss",
+        "GRPO: the KL loss is a per-sequence mean whatever loss_reduction (token_mean: the loss "
+        "differs); PPO: the critic loss is a per-sequence mean, ppo.py's a token mean",
+        "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro (masked_mean(kl_loss, loss_mask, dim=-1)"
+        ".mean()); ppo_utils.py, ppo_critic_loss",
+        "undocumented choice (a code comment says the KL is not pre-scaled)",
+    ),
+    (
+        "SkyRL 0.4.0",
+        "gradient",
+        "the same two aggregations, on the gradient (some elements change sign)",
+        "as the loss",
+        "undocumented choice",
+    ),
+    (
+        "AReaL 1.0.4",
+        "advantages",
+        "GRPO: the advantage normalised over tokens, so a group's mean (and std) weigh "
+        "each completion by its length; PPO: (A - mean) / (std + 1e-5) with the unbiased std",
+        "areal/trainer/ppo/actor.py, PPOActor._compute_advantages (self.adv_norm(advantages, loss_mask)); "
+        "areal/utils/data.py, Normalization",
+        "undocumented choice (GRPO), documented choice (PPO: NormConfig)",
+    ),
+]
 COLUMNS = ["TRL 1.16", "verl 0.9.1", "OpenRLHF 0.11.2", "SkyRL 0.4.0", "AReaL 1.0.4"]
 ADAPTERS = dict(zip(COLUMNS, ["trl", "verl", "openrlhf", "skyrl", "areal"]))
 ROWS = [q for q in verify.QUANTITIES if q != "replay"]  # the replay checks the dump, not a peer
@@ -112,7 +186,10 @@ def make_dump(folder, script, flags):
 NOT_APPLICABLE = ("has none", "no KL term", "needs two", "constant without", "replayed by this project")
 
 
-def cell(report, quantity, note):
+measured = {}  # (peer, quantity): the largest difference the run measured where the row differs
+
+
+def cell(report, quantity, note, column=None):
     """One row of verify.py's table as a cell; `note(text)` numbers the reason a cell differs."""
     row, (kind, _) = report.rows[quantity], report.tolerances[quantity]
     status = report.status(quantity)
@@ -122,6 +199,7 @@ def cell(report, quantity, note):
     size = f"{value:.0e}" if value else "0"
     if status == "pass":
         return f"agrees ({size})"
+    measured[column, quantity] = max(measured.get((column, quantity), 0.0), value)
     if status == "known":
         return f"differs {size} [{note(describe_known(row['known']))}]"
     return f"**differs {size}** [{note(None)}]"
@@ -176,7 +254,7 @@ def main():
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                     report, _ = verify.verify(args, steps, adapter, chosen, dict(verify.TOLERANCES), accept=accept)
                 differences[column] = adapter.differences(args, chosen) if hasattr(adapter, "differences") else []
-                cells[column] = {q: cell(report, q, note_for(column, mode)) for q in ROWS}
+                cells[column] = {q: cell(report, q, note_for(column, mode), column) for q in ROWS}
                 print(f"{mode[:40]} | {column} | {report.summary()[0][:100]}", flush=True)
             for q in ROWS:
                 if all(cells[c][q] == "-" for c in COLUMNS if present[c]):
@@ -199,6 +277,15 @@ use_bias_correction_kl, verl's epsilon and loss_scale_factor).
     with open(opts.output, "w") as f:
         f.write(header + "\n".join(lines) + "\n\n## The differences\n\n")
         f.write("\n".join(f"{n}. {text}" for n, text in enumerate(notes, 1)) + "\n")
+        f.write(
+            "\n## Each real difference\n\nThe largest size measured above (in the row's kind), the peer's line that "
+            "makes it, and whether the peer documents it.\n\n| peer | quantity | the difference | size | where | what "
+            "it is |\n|---|---|---|---|---|---|\n"
+        )
+        for column, quantity, what, where, kind in REAL_DIFFERENCES:
+            size = measured.get((column, quantity))
+            size = f"{size:.0e}" if size is not None else "not measured in this run"
+            f.write(f"| {column} | {quantity} | {what} | {size} | {where} | {kind} |\n")
     print(f"wrote {opts.output}")
 
 

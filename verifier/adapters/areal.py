@@ -151,8 +151,6 @@ OPTIONS = {}
 
 
 def _unsupported(args, loss=False):
-    if args["script"] == "grpo" and args["scale_rewards"] == "none" and args["loss_agg"] != "token-mean" and loss:
-        raise NotImplementedError("AReaL's actor loss is a token mean over the minibatch (--loss-agg token-mean)")
     if loss and args["script"] == "grpo" and args["loss_agg"] != "token-mean":
         raise NotImplementedError(
             "AReaL's actor loss is a token mean over the minibatch (the engine weighs each micro-batch by its "

@@ -8,7 +8,8 @@ What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/
   advantages, returns  compute_advantages_and_returns, the trainer's call (trainer.py), through its
                        AdvantageEstimatorRegistry: "grpo" (grpo_norm_by_std False for --scale-rewards none) and
                        "gae", with its masked_whiten
-  rewards              the trainer's apply_reward_kl_penalty (trainer.py): score - kl_loss_coef * compute_approx_kl
+  rewards              compute_approx_kl, subtracted from the score as the trainer's apply_reward_kl_penalty does
+                       (trainer.py: rewards - kl * kl_loss_coef)
   kl                   compute_approx_kl (k1, k2, k3)
   kl_coef              AdaptiveKLController.update, fed the summed KL of each completion as ppo.py feeds its
                        controller; --set controller_kl=mean feeds it as the trainer does (a known difference)
@@ -17,6 +18,7 @@ What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/
                        seq_mean_token_sum_norm), then the worker's assembly (workers/worker.py,
                        _forward_backward_micro): policy_loss + kl_loss_coef * masked_mean(compute_approx_kl(k3),
                        dim=-1).mean() * microbatch_weight; PPO: + vf_coef * ppo_critic_loss * microbatch_weight
+                       (tests/test_verify_skyrl.py runs SkyRL's own workers on the same batch: the same loss)
   log-probs            torch_utils.logprobs_from_logits on logits / temperature, with the position ids of
                        HFModelWrapper.forward (attention_mask.cumsum(-1) - 1, 1 on padding)
 
