@@ -172,7 +172,9 @@ def known_differences(args, options):
         out["advantages"] = dict(
             why="AReaL normalises the advantages over tokens (adv_norm on each token's return, masked by the loss "
             "mask): a group's mean (and std) weigh each completion by its length, grpo.py's by one; the same when a "
-            "group's completions are equally long (measured on verify.py's recommended dump: rel 5e-02)",
+            "group's completions are equally long, and grows with how unequal they are: the bound is the one measured "
+            "on verify.py's recommended dump (rel 5e-02) with a margin; a dump whose groups differ more in length "
+            "fails it, showing the size",
             where="areal/trainer/ppo/actor.py, PPOActor._compute_advantages (self.adv_norm(advantages, loss_mask))",
             bound=("rel", 0.1),
         )
