@@ -80,6 +80,14 @@ MODES = {
         dict(PAPER, importance_level="sequence", clip_low=3e-4, clip_high=4e-4, beta=0.0),
     ),
     "PPO, verify.py's recommended dump (k1 penalty, GAE, adaptive KL)": ("ppo", PPO_RECIPE),
+    "REINFORCE++ (PPO without a critic, --vf-coef 0 --lam 1: docs/fork.md)": (
+        "ppo",
+        dict(
+            {k: v for k, v in PPO_RECIPE.items() if k not in ("critic_learning_rate", "cliprange_value")},
+            vf_coef=0.0,
+            lam=1.0,
+        ),
+    ),
 }
 # Each real difference the table shows: (peer, quantity, what differs, the peer's line that makes it, what it is).
 # Its size is the largest the run measures for that peer and quantity, over the variants where it differs.
@@ -251,8 +259,14 @@ def main():
                 adapter = verify.load_adapter(ADAPTERS[column])
                 pairs, accept = options(column, script, args)
                 chosen = verify.parse_options(adapter, pairs)
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    report, _ = verify.verify(args, steps, adapter, chosen, dict(verify.TOLERANCES), accept=accept)
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                        report, _ = verify.verify(args, steps, adapter, chosen, dict(verify.TOLERANCES), accept=accept)
+                except verify.AdapterError as e:  # verify.py's exit status 3: the adapter's own mistake, named
+                    number = note_for(column, mode)(f"the adapter failed: {e}")
+                    cells[column] = {q: f"**adapter error** [{number}]" for q in ROWS}
+                    print(f"{mode[:40]} | {column} | adapter error: {e}", flush=True)
+                    continue
                 differences[column] = adapter.differences(args, chosen) if hasattr(adapter, "differences") else []
                 cells[column] = {q: cell(report, q, note_for(column, mode), column) for q in ROWS}
                 print(f"{mode[:40]} | {column} | {report.summary()[0][:100]}", flush=True)

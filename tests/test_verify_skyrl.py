@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from verify_helpers import GRPO_RECIPE, make_dump, planted_site, rows, run, site
+from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
 
 import verify
 from verifier.dump import inputs, load_dump, micro_batch, whole_batch
@@ -58,6 +58,24 @@ def test_skyrl_ppo_names_its_value_loss_aggregation(verify_dumps, skyrl_site, ca
     assert results["advantages"].startswith("differs (known: SkyRL whitens GAE's advantages"), out
     assert results["loss"].startswith("differs (known: SkyRL's ppo_critic_loss averages"), out
     assert "the value loss's weights above move the critic's gradient" in out, out
+
+
+def test_skyrl_reinforce_pp_agrees_with_ppo_without_a_critic(skyrl_site, capsys, tmp_path):
+    """ppo.py --vf-coef 0 --lam 1 is REINFORCE++ (docs/fork.md): SkyRL's own "reinforce++" estimator recomputes its
+    returns exactly, its advantages but for the whitening's variance; a return to go without gamma fails both."""
+    flags = {k: v for k, v in PPO_RECIPE.items() if k not in ("critic_learning_rate", "cliprange_value")}
+    dump = make_dump(tmp_path, "ppo", **dict(flags, vf_coef=0.0, lam=1.0))
+    code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    results = rows(out)
+    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "loss", "gradient"]), out
+    find = "running_return = token_level_rewards[:, t] + gamma * running_return"
+    copy = planted_site(
+        tmp_path, "backends/skyrl_train/utils/ppo_utils.py", find, find.replace("gamma * ", ""), "skyrl"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKYRL_SITE", copy)
+        code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    assert code == 1 and rows(out)["returns"].startswith("FAIL") and rows(out)["advantages"].startswith("FAIL"), out
 
 
 BUGS = {  # file under skyrl/, the line, the bug, the dump, the rows it fails

@@ -324,7 +324,7 @@ def _losses(new_logp, batch, args, new_values=None):
     )
     share = mask.count_nonzero() / batch["num_tokens"]  # loss_weight_fn / total_loss_weight
     total = loss * share
-    if args["script"] == "ppo":
+    if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         value_loss, _ = functional.ppo_critic_loss_fn(
             new_values.float(), batch["values"].float(), batch["returns"].float(), args["cliprange_value"], mask
         )
@@ -346,7 +346,7 @@ def per_token_loss(batch, args):
     policy_only["num_iterations"] = 2 if args["script"] == "ppo" else args["num_iterations"]
     token_sum = _losses(batch["new_logp"], dict(batch, advantages=advantages * weight, num_tokens=1), policy_only)
     (per_token,) = torch.autograd.grad(token_sum, weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t = m_t L_t at w = 1
-    if args["script"] == "ppo":
+    if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         flat = [t.reshape(-1, 1).float() for t in (batch["new_values"], batch["values"], batch["returns"])]
         masks = real.reshape(-1, 1).bool().split(1)
         value = torch.stack(

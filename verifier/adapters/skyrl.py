@@ -6,8 +6,9 @@
 
 What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/ppo_utils.py):
   advantages, returns  compute_advantages_and_returns, the trainer's call (trainer.py), through its
-                       AdvantageEstimatorRegistry: "grpo" (grpo_norm_by_std False for --scale-rewards none) and
-                       "gae", with its masked_whiten
+                       AdvantageEstimatorRegistry: "grpo" (grpo_norm_by_std False for --scale-rewards none),
+                       "gae", and "reinforce++" for ppo.py without a critic (--vf-coef 0 --lam 1), with its
+                       masked_whiten
   rewards              compute_approx_kl, subtracted from the score as the trainer's apply_reward_kl_penalty does
                        (trainer.py: rewards - kl * kl_loss_coef)
   kl                   compute_approx_kl (k1, k2, k3)
@@ -153,7 +154,8 @@ def known_differences(args, chosen):
             "times the largest of them, and only where completions differ in length"
         )
         where = "skyrl/backends/skyrl_train/utils/ppo_utils.py, ppo_critic_loss; workers/worker.py, microbatch_weight"
-        out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"]))
+        if args["vf_coef"] > 0:
+            out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"]))
         if args["target_kl"] is not None and chosen["controller_kl"] == "mean":
             out["kl_coef"] = dict(
                 why="SkyRL's trainer feeds AdaptiveKLController the mean over completions of each one's per-token "
@@ -233,11 +235,14 @@ def group_advantages(batch, args):
 
 
 def gae(batch, args):
+    """GAE; without a critic (--vf-coef 0) and with lambda 1, ppo.py's REINFORCE++ (docs/fork.md): SkyRL's own
+    "reinforce++" estimator, the discounted return to go whitened over the batch."""
+    reinforce_pp = args["vf_coef"] == 0 and args["lam"] == 1
     return ppo_utils.compute_advantages_and_returns(
         token_level_rewards=batch["rewards"],
         response_mask=batch["completion_mask"],
         index=None,
-        adv_estimator="gae",
+        adv_estimator="reinforce++" if reinforce_pp else "gae",
         config=_config(args),
         values=batch["values"],
         gamma=args["gamma"],
@@ -327,7 +332,7 @@ def _losses(new_logp, batch, args, mask, new_values=None):
         kl_loss = ppo_utils.compute_approx_kl(new_logp, batch["ref_logp"], loss_mask=mask, kl_estimator_type="k3")
         kl_loss = torch_utils.masked_mean(kl_loss, mask, dim=-1).mean()
         loss = loss + kl_loss * args["beta"] * microbatch_weight
-    if args["script"] == "ppo":
+    if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         critic_loss, _ = ppo_utils.ppo_critic_loss(new_values, batch["values"], batch["returns"], config, mask)
         loss = loss + args["vf_coef"] * critic_loss * microbatch_weight
     return loss
@@ -352,7 +357,7 @@ def per_token_loss(batch, args):
     (per_token,) = torch.autograd.grad(token_sum, weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t = m_t L_t at w = 1
     if args["script"] == "grpo" and args["beta"] > 0:
         per_token = per_token + args["beta"] * ppo_utils.compute_approx_kl(new_logp, batch["ref_logp"], real, "k3")
-    if args["script"] == "ppo":
+    if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         flat = [t.reshape(-1, 1) for t in (batch["new_values"], batch["values"], batch["returns"], real)]
         value = torch.stack(
             [ppo_utils.ppo_critic_loss(v, o, r, config, m)[0] for v, o, r, m in zip(*[f.split(1) for f in flat])]
