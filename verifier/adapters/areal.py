@@ -9,7 +9,8 @@ What is called, unchanged (read in .areal-site/areal):
                         last token, - kl_ctl * KLEstimator(k1, k2, k3) on every token, GAE (GRPO: gamma = lambda =
                         1 and no critic, so each token's advantage is the score) and its Normalization (adv_norm:
                         GRPO the group's mean and the group's or the batch's std, PPO the batch's mean and std)
-  kl                    utils/data.py KLEstimator
+  kl                    utils/data.py KLEstimator (functional.py's masked_normalization is called by no trainer path
+                        of 1.0.4: adv_norm is utils/data.py's Normalization)
   losses                grpo_loss_fn (trainer/ppo/actor.py), the actor's loss function, around ppo_actor_loss_fn
                         (utils/functional/functional.py: token or GSPO's sequence ratio), scaled by the engine's
                         loss_weight_fn share (engine/fsdp_engine.py: local weight / total weight, the micro-batch's
