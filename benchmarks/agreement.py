@@ -1,7 +1,7 @@
 """The agreement table: this project's recomputation by five other implementations (TRL, verl, OpenRLHF, SkyRL,
 AReaL) on fresh dumps of each variant.
 
-    python benchmarks/agreement.py                            # writes docs/agreement.md, about 6 minutes on CPU
+    python benchmarks/agreement.py                            # writes docs/agreement.md, about 9 minutes on CPU
     python benchmarks/agreement.py --verl-site .verl-site     # where verl is (requirements/verl.txt)
     python benchmarks/agreement.py --modes GSPO PPO           # only the variants whose name holds one of these
 
