@@ -84,12 +84,13 @@ def site(name, requirements):
     return folder
 
 
-def planted_site(tmp_path, file, find, replace):
-    """A copy of OpenRLHF's folder with one line of `file` (under openrlhf/) changed: a bug planted in the peer."""
-    original = site("openrlhf", "requirements/openrlhf.txt")
-    copy = tmp_path / "openrlhf-site"
-    shutil.copytree(os.path.join(original, "openrlhf"), copy / "openrlhf", ignore=shutil.ignore_patterns("__pycache__"))
-    path = copy / "openrlhf" / file
+def planted_site(tmp_path, file, find, replace, name="openrlhf"):
+    """A copy of a peer's folder (.NAME-site: OpenRLHF by default) with one line of `file` (under NAME/) changed: a
+    bug planted in the peer."""
+    original = site(name, f"requirements/{name}.txt")
+    copy = tmp_path / f"{name}-site"
+    shutil.copytree(os.path.join(original, name), copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    path = copy / name / file
     text = path.read_text()
     assert text.count(find) == 1, f"{file}: the line to plant the bug in moved: {find!r}"
     path.write_text(text.replace(find, replace))

@@ -937,4 +937,21 @@ MUTANTS = [
         find='FOLLOW.update(cap=min(TORCH_DEFAULT["threads"], cores), last=last)',
         replace="FOLLOW.update(cap=cores, last=last)",
     ),
+    # ---------------------------------------------------------------------------------------- peers' adapters
+    dict(
+        name="skyrl-critic-loss-unweighted",
+        file="verifier/adapters/skyrl.py",
+        tests=["tests/test_verify_skyrl.py", "-k", "workers_own"],
+        what="the SkyRL adapter forgets the worker's micro-batch weight on the critic loss: not SkyRL's assembly",
+        find='loss = loss + args["vf_coef"] * critic_loss * microbatch_weight',
+        replace='loss = loss + args["vf_coef"] * critic_loss',
+    ),
+    dict(
+        name="areal-engine-share-dropped",
+        file="verifier/adapters/areal.py",
+        tests=["tests/test_verify_areal.py", "-k", "ppo"],
+        what="the AReaL adapter forgets the engine's loss weight (a micro-batch's tokens over its minibatch's)",
+        find="total = loss * share",
+        replace="total = loss",
+    ),
 ]

@@ -1,0 +1,284 @@
+"""SkyRL 0.4.0 through verify.py (verifier/adapters/skyrl.py): its GRPO agrees on every row once the dump takes
+its settings, its PPO differs where it aggregates the value loss per sequence (named, and accepted within its
+bound on the loss), and a bug planted in a copy of its advantage, KL or loss code fails that row. Skips where
+SkyRL is not installed apart (requirements/skyrl.txt)."""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+import torch
+from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
+
+import verify
+from verifier.dump import inputs, load_dump, micro_batch, whole_batch
+
+REQUIREMENTS = "requirements/skyrl.txt"
+# verify.py's recommended GRPO dump with SkyRL's settings: the group's std with its eps (compute_grpo_outcome_
+# advantage's default 1e-6, which its trainer never overrides) and the paper's k3 (SkyRL has no ratio-weighted one).
+SKYRL_GRPO = dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-6, bias_corrected_kl=False)
+COMPARED = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"]
+
+
+@pytest.fixture(scope="module")
+def skyrl_grpo(tmp_path_factory):
+    site("skyrl", REQUIREMENTS)
+    return make_dump(tmp_path_factory.mktemp("skyrl"), "grpo", **SKYRL_GRPO)
+
+
+@pytest.fixture
+def skyrl_site(monkeypatch):
+    monkeypatch.setenv("SKYRL_SITE", site("skyrl", REQUIREMENTS))
+
+
+def test_skyrl_grpo_passes_every_row_with_its_settings(skyrl_grpo, skyrl_site, capsys):
+    code, out, _ = run(capsys, skyrl_grpo, "--against", "skyrl")
+    assert code == 0 and all(rows(out)[q] == "pass" for q in COMPARED), out
+
+
+def test_skyrl_says_why_the_plain_recommended_grpo_dump_is_incomplete(verify_dumps, skyrl_site, capsys):
+    """The batch's std and the ratio-weighted k3 have no SkyRL counterpart: skipped, each with the flag to set."""
+    code, out, _ = run(capsys, verify_dumps["grpo"], "--against", "skyrl")
+    results = rows(out)
+    assert code == 4 and results["advantages"].startswith("skip: SkyRL's GRPO divides by the group's std"), out
+    assert results["loss"].startswith("skip: SkyRL has no ratio-weighted k3"), out
+
+
+def test_skyrl_ppo_names_its_value_loss_aggregation(verify_dumps, skyrl_site, capsys):
+    """The recommended PPO dump: rewards, returns, the controller, KL and per-token loss agree; the whitening and the
+    per-sequence value loss are named known differences, and the gradient fails, naming why."""
+    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", "--accept", "advantages", "--accept", "loss")
+    results = rows(out)
+    assert code == 1 and out.splitlines()[-1] == "FAIL: gradient", out
+    assert all(results[q] == "pass" for q in ["rewards", "returns", "kl_coef", "kl", "per-token loss"]), out
+    assert results["advantages"].startswith("differs (known: SkyRL whitens GAE's advantages"), out
+    assert results["loss"].startswith("differs (known: SkyRL's ppo_critic_loss averages"), out
+    assert "the value loss's weights above move the critic's gradient" in out, out
+
+
+def test_skyrl_reinforce_pp_agrees_with_ppo_without_a_critic(skyrl_site, capsys, tmp_path):
+    """ppo.py --vf-coef 0 --lam 1 is REINFORCE++ (docs/fork.md): SkyRL's own "reinforce++" estimator recomputes its
+    returns exactly, its advantages but for the whitening's variance; a return to go without gamma fails both."""
+    flags = {k: v for k, v in PPO_RECIPE.items() if k not in ("critic_learning_rate", "cliprange_value")}
+    dump = make_dump(tmp_path, "ppo", **dict(flags, vf_coef=0.0, lam=1.0))
+    code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    results = rows(out)
+    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "loss", "gradient"]), out
+    find = "running_return = token_level_rewards[:, t] + gamma * running_return"
+    copy = planted_site(
+        tmp_path, "backends/skyrl_train/utils/ppo_utils.py", find, find.replace("gamma * ", ""), "skyrl"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKYRL_SITE", copy)
+        code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    assert code == 1 and rows(out)["returns"].startswith("FAIL") and rows(out)["advantages"].startswith("FAIL"), out
+
+
+BUGS = {  # file under skyrl/, the line, the bug, the dump, the rows it fails
+    "GRPO advantage without eps": ("(id2std[index[i]] + epsilon)", "id2std[index[i]]", "grpo", ["advantages"]),
+    "k3 without its -1": ("kld = (ratio - kl - 1).contiguous()", "kld = (ratio - kl).contiguous()", "grpo", ["kl"]),
+    "PPO-clip taking the larger surrogate": (
+        "loss = -torch.min(surr1, surr2)\n    clip_ratio = masked_mean((-surr2 > -surr1).float(), loss_mask).mean()"
+        ".detach().item()\n    clip_pg_losses1",
+        "loss = -torch.max(surr1, surr2)\n    clip_ratio = masked_mean((-surr2 > -surr1).float(), loss_mask).mean()"
+        ".detach().item()\n    clip_pg_losses1",
+        "grpo",
+        ["per-token loss", "loss", "gradient"],
+    ),
+    "GAE without lambda": (
+        "lastgaelam = delta + gamma * lambd * lastgaelam",
+        "lastgaelam = delta + gamma * lastgaelam",
+        "ppo",
+        ["advantages", "returns"],
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_bug_planted_in_skyrl_fails_its_rows(skyrl_grpo, verify_dumps, capsys, tmp_path, monkeypatch, bug):
+    find, replace, script, caught = BUGS[bug]
+    copy = planted_site(tmp_path, "backends/skyrl_train/utils/ppo_utils.py", find, replace, name="skyrl")
+    monkeypatch.setenv("SKYRL_SITE", copy)
+    dump = skyrl_grpo if script == "grpo" else verify_dumps["ppo"]
+    code, out, _ = run(capsys, dump, "--against", "skyrl")
+    results = rows(out)
+    assert code == 1 and all(results[q].startswith("FAIL") for q in caught), out
+
+
+# The adapter composes SkyRL's loss as its worker does; here the worker's own _forward_backward_micro (workers/
+# worker.py) runs on the same batch, loaded with permissive stand-ins for everything it imports but ppo_utils and
+# torch_utils (ray, its distributed strategy, its config, the replay buffer): the loss it backpropagates is captured.
+class _Meta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub_class(name)
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]  # used as a decorator: the function it decorates
+        return type.__call__(cls)
+
+    def __getitem__(cls, item):
+        return cls
+
+
+def _stub_class(name):
+    return _Meta(name, (), {"__getattr__": lambda self, attribute: _stub_class(attribute)})
+
+
+class _Anything(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub_class(name)
+
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("ray", "loguru", "omegaconf", "skyrl"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _Anything(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _skyrl_worker(adapter):
+    saved, finder = dict(sys.modules), _StandIns()
+    sys.meta_path.insert(0, finder)
+    try:
+        for name in [n for n in sys.modules if n.split(".")[0] == "skyrl"]:
+            sys.modules.pop(name)
+        sys.modules["skyrl.backends.skyrl_train.utils.ppo_utils"] = adapter.ppo_utils
+        sys.modules["skyrl.backends.skyrl_train.utils.torch_utils"] = adapter.torch_utils
+        path = os.path.join(site("skyrl", REQUIREMENTS), "skyrl", "backends", "skyrl_train", "workers", "worker.py")
+        spec = importlib.util.spec_from_file_location("skyrl_worker", path)
+        worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(worker)
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.clear()
+        sys.modules.update(saved)
+    worker.compute_minibatch_rollout_logprob_diff_metrics = lambda *args: {}
+    return worker
+
+
+def _worker_loss(method, model_output, config, experience, weight, **fields):
+    """The loss `method` (a worker's _forward_backward_micro) hands its strategy's backward."""
+    captured = []
+    me = types.SimpleNamespace(
+        model=_Callable(model_output),
+        cfg=types.SimpleNamespace(algorithm=config),
+        strategy=types.SimpleNamespace(backward=lambda loss, model, optimizer: captured.append(loss)),
+        mesh_rank=types.SimpleNamespace(dp_size=1),
+        scheduler=types.SimpleNamespace(get_last_lr=lambda: [0.0]),
+        optimizer=None,
+        **fields,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        method(me, experience, microbatch_weight=weight)
+    return captured[0]
+
+
+class _Callable:
+    def __init__(self, output):
+        self.output = output
+
+    def train(self):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return self.output
+
+
+def _experience(batch, advantages, **more):
+    sequences = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    return types.SimpleNamespace(
+        sequences=sequences,
+        attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        action_log_probs=batch["old_logp"],
+        base_action_log_probs=batch.get("ref_logp"),
+        advantages=advantages,
+        num_actions=batch["completion_ids"].shape[1],
+        loss_mask=batch["completion_mask"].float(),
+        response_mask=batch["completion_mask"],
+        rollout_logprobs=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        rollout_sample_support=None,
+        to_device=lambda device: None,
+        **more,
+    )
+
+
+def test_the_adapters_loss_is_the_skyrl_workers_own(skyrl_grpo, verify_dumps, skyrl_site):
+    """GRPO (the whole batch, the KL loss in) and a PPO micro-batch (policy on minibatch-scaled advantages, and the
+    critic's loss weighted by its share of sequences): the adapter's loss equals what SkyRL's workers backpropagate."""
+    adapter = verify.load_adapter("skyrl")
+    worker = _skyrl_worker(adapter)
+    args, steps, _, _ = load_dump(skyrl_grpo)
+    batch = inputs("loss", whole_batch(steps[2], args), args)
+    mask, advantages = batch["completion_mask"], batch["advantages"][:, None].expand_as(batch["new_logp"])
+    config = dict(vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=True, kl_loss_coef=args["beta"])
+    config = types.SimpleNamespace(
+        **config, kl_estimator_type="k3", temperature=1.0, enable_sample_support_replay=False
+    )
+    scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
+        advantages, mask, config.loss_reduction, len(mask), args["max_new_tokens"]
+    )
+    new_logp = batch["new_logp"].clone().requires_grad_(True)
+    entropy = torch.zeros(mask.shape[0], batch["prompt_ids"].shape[1] + mask.shape[1])
+    policy_loss_fn = adapter.ppo_utils.PolicyLossRegistry.get("regular")
+    theirs = _worker_loss(
+        worker.PolicyWorkerBase._forward_backward_micro,
+        (new_logp, {"entropy": entropy}),
+        config,
+        _experience(batch, scaled),
+        1.0,
+        policy_loss_fn=policy_loss_fn,
+    )
+    torch.testing.assert_close(adapter.loss(batch, args), theirs, rtol=0, atol=1e-7)
+
+    args, steps, _, _ = load_dump(verify_dumps["ppo"])
+    d = steps[2]
+    micro = inputs("loss", micro_batch(d), args)
+    minibatch = d["minibatch_index"].tolist()
+    rows = [minibatch.index(i) for i in d["micro_index"].tolist()]
+    config = types.SimpleNamespace(
+        **vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=False, kl_loss_coef=0.0, temperature=1.0
+    )
+    config.enable_sample_support_replay = False
+    scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
+        d["advantages"][minibatch], d["completion_mask"][minibatch].float(), "token_mean", len(rows), 4
+    )[rows]
+    weight = len(rows) / len(minibatch)
+    entropy = torch.zeros(len(rows), micro["prompt_ids"].shape[1] + micro["completion_mask"].shape[1])
+    policy = _worker_loss(
+        worker.PolicyWorkerBase._forward_backward_micro,
+        (micro["new_logp"].clone().requires_grad_(True), {"entropy": entropy}),
+        config,
+        _experience(micro, scaled),
+        weight,
+        policy_loss_fn=policy_loss_fn,
+    )
+    critic = _worker_loss(
+        worker.CriticWorkerBase._forward_backward_micro,
+        (micro["new_values"].clone().requires_grad_(True), None),
+        config,
+        _experience(micro, scaled, values=micro["values"], returns=micro["returns"]),
+        weight,
+        critic_loss_fn=adapter.ppo_utils.ppo_critic_loss,
+        _micro_batches_accumulated=0,
+    )
+    torch.testing.assert_close(adapter.loss(micro, args), policy + args["vf_coef"] * critic, rtol=0, atol=1e-7)
