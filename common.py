@@ -3,8 +3,9 @@
 Drawing prompts (PromptSampler), sampling completions from the policy in one batched call (generate), the
 per-token log-probs of those completions (token_logprobs), the mean over real tokens (masked_mean), and the
 logged statistics of an update (approx_kl, clip_fraction, explained_variance). Nothing here is specific to one
-algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loading models is in models.py,
-tasks in tasks.py, the run's flags and logs in bookkeeping.py, its checkpoints, dumps and guards in checkpoints.py.
+algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loading models is in
+machinery/models.py, tasks in tasks/__init__.py, the flags in machinery/flags.py, the run's logs in
+machinery/bookkeeping.py, its checkpoints in machinery/checkpoints.py and its dumps and guards in machinery/dumps.py.
 """
 
 import random
@@ -85,7 +86,8 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
         with precision.generation_mode(model), precision.decoding_attention(model, prompt_ids, max_new_tokens):
-            # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
+            # A prompt repeated for a group is computed once (machinery/prompt_cache.py); generate() continues from
+            # its cache.
             cache = prompt_cache.shared_prompt_cache(
                 model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
             )
@@ -236,7 +238,7 @@ def token_logprobs(
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
     with precision.log_prob_attention(model, input_ids.device):  # on a CPU under bf16: attention in float32, faster
-        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
+        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (machinery/prompt_cache.py).
         cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
         if cache is None:
             out = model(

@@ -54,7 +54,7 @@ class Args(flags.RunArgs):
     model: str = models.TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
-    """task to train on (see tasks.py)"""
+    """task to train on (see tasks/__init__.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
     """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
     num_steps: int = 600

@@ -1,6 +1,6 @@
 """Your own files, read and checked: JSONL examples (jsonl:PATH) and Python reward functions
 (python:FILE.py:FUNCTION[@DATA.jsonl]). Every problem found is a UsageError naming the file, the line or
-the function, and what to write instead. tasks.py turns what these return into tasks.
+the function, and what to write instead. tasks/__init__.py turns what these return into tasks.
 """
 
 import contextlib

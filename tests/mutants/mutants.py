@@ -765,4 +765,12 @@ MUTANTS = [
         find="min(args.micro_batch_size, rows) * args.max_new_tokens",
         replace="min(args.max_new_tokens, rows) * args.micro_batch_size",
     ),
+    dict(
+        name="help-names-a-file-elsewhere",
+        file="grpo.py",
+        tests=["tests/test_layout.py", "-k", "help"],
+        what="--help sends the reader to tasks.py, which is tasks/__init__.py",
+        find='(see tasks/__init__.py)"""',
+        replace='(see tasks.py)"""',
+    ),
 ]
