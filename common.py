@@ -363,11 +363,18 @@ def entry_batch(entry, tensors):
     return {key: value for key, value in tensors.items() if key not in later}
 
 
+def clipped_tokens(logratio, advantages, clip_low, clip_high):
+    """The tokens whose gradient the PPO clip cuts off, [n, T] bool: the ratio beyond 1 - clip_low with A < 0, or
+    beyond 1 + clip_high with A > 0 (there the clipped term is the larger loss, a constant). grpo_loss and ppo_loss
+    return it among their terms as `clipped`; losses/clipfrac and verify's notes read it from there, so a loss that
+    clips otherwise (CISPO's weight) returns its own."""
+    ratio = torch.exp(logratio)
+    return ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+
+
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
     """Share of real tokens whose gradient the clip cut off (the clipped term was the larger loss)."""
-    ratio = torch.exp(logratio)
-    clipped = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return masked_mean(clipped.float(), mask)
+    return masked_mean(clipped_tokens(logratio, advantages, clip_low, clip_high).float(), mask)
 
 
 def approx_kl(logratio, mask):
@@ -393,7 +400,7 @@ def explained_variance(values, returns, mask, mean=masked_mean):
 
 
 @torch.no_grad()
-def logged_losses(updates, args):
+def logged_losses(updates):
     """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
 
     updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
@@ -404,7 +411,7 @@ def logged_losses(updates, args):
     for micro_terms in updates:
         update = 0
         for terms in micro_terms:
-            means = token_means(terms, args)
+            means = token_means(terms)
             names = list(means)
             tokens = terms["mask"].sum().double()
             update = update + torch.stack([value.double() * tokens for value in means.values()] + [tokens])
@@ -414,21 +421,20 @@ def logged_losses(updates, args):
     return {name: value.item() for name, value in zip(names, means.mean(0))}
 
 
-def token_means(terms, args):
-    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's
-    critic."""
-    mask, logratio = terms["mask"], terms["logratio"]
-    means = dict(
-        policy_loss=masked_mean(terms["pg_loss"], mask),
-        approx_kl=approx_kl(logratio, mask),
-        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
-        entropy=masked_mean(terms["entropy"], mask),
-    )
+def token_means(terms):
+    """One micro-batch's statistics, means over its real tokens, each from the loss's own terms (a variant's loss
+    says what it clipped): the clipped surrogate's, GRPO's KL term, PPO's critic."""
+    mask = terms["mask"]
+    means = dict(policy_loss=masked_mean(terms["pg_loss"], mask), approx_kl=approx_kl(terms["logratio"], mask))
+    if "clipped" in terms:  # the tokens the loss clipped: a loss without a clip logs no clipfrac
+        means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)
+    means["entropy"] = masked_mean(terms["entropy"], mask)
     if "kl_ref" in terms:
         means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
     if "v_loss" in terms:
-        v_clipped = (terms["new_values"] - terms["old_values"]).abs() > args.cliprange_value
-        means.update(value_loss=masked_mean(terms["v_loss"], mask), clipfrac_value=masked_mean(v_clipped.float(), mask))
+        means["value_loss"] = masked_mean(terms["v_loss"], mask)
+    if "value_clipped" in terms:
+        means["clipfrac_value"] = masked_mean(terms["value_clipped"].float(), mask)
     return means
 
 

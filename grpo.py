@@ -229,7 +229,8 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
       loss    = aggregate_loss(L) with the batch's total_seqs sequences and total_tokens real tokens
 
     new_logp [n, T] carries the gradient; old_logp and ref_logp [n, T] (None when beta = 0) and advantages [n]
-    do not. Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    do not. Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs), with the
+    tokens whose gradient the clip cut off (`clipped`: losses/clipfrac and verify's notes read it).
     """
     logratio = new_logp - old_logp  # [n, T]
     if args.importance_level == "sequence":
@@ -255,6 +256,7 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
         logratio=logratio,
         pg_loss=pg_loss,
         kl_ref=kl_ref,
+        clipped=common.clipped_tokens(logratio, advantages[:, None], args.clip_low, args.clip_high),  # clipfrac's
         per_token_loss=per_token_loss * mask,
         loss=loss,
     )
@@ -376,7 +378,7 @@ def main(args, flags_given=()):
         }
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
-        losses = common.logged_losses(updates, args)
+        losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")

@@ -329,7 +329,8 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
 
     new_logp, new_values and entropy [n, T] carry the gradients (the entropy only when ent_coef > 0);
     old_logp, advantages, old_values, returns [n, T] do not.
-    Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs), with the tokens
+    whose gradient a clip cut off (`clipped`, `value_clipped`: losses/clipfrac and verify's notes read them).
     """
     logratio = new_logp - old_logp  # [n, T]
     pg_loss = clipped_policy_loss(logratio, advantages, args.clip_low, args.clip_high)  # [n, T]
@@ -345,6 +346,8 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
         logratio=logratio,
         pg_loss=pg_loss,
         v_loss=v_loss,
+        clipped=common.clipped_tokens(logratio, advantages, args.clip_low, args.clip_high),  # losses/clipfrac's
+        value_clipped=(new_values - old_values).abs() > args.cliprange_value,  # losses/clipfrac_value's
         entropy=entropy,
         per_token_loss=per_token_loss,
         loss=loss,
@@ -491,7 +494,7 @@ def main(args, flags_given=()):
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
-        losses = common.logged_losses(updates, args)
+        losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")

@@ -773,4 +773,12 @@ MUTANTS = [
         find='(see tasks/__init__.py)"""',
         replace='(see tasks.py)"""',
     ),
+    dict(
+        name="clipfrac-from-a-second-ppo-clip-test",
+        file="common.py",
+        tests=["tests/test_grpo.py", "-k", "clipfrac"],
+        what="losses/clipfrac recomputes the PPO clip from clip_low instead of reading what the loss clipped",
+        find='means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)',
+        replace='means["clipfrac"] = clip_fraction(terms["logratio"], terms["advantages"], 0.2, 0.2, mask)',
+    ),
 ]
