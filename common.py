@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from machinery import distributed as dist
 from machinery import models, precision, prompt_cache, scoring
+from machinery.errors import UsageError
 
 
 class PromptSampler:
@@ -109,7 +110,8 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     task's reward on their tokens (score_tokens: an outcome score at the last token, a dense reward where earned).
 
     Returns a batch dict (concat_batches joins two, select_rows picks rows): prompts, answers, completions [N] and
-    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums).
+    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums),
+    and each other field of the examples (a JSONL line's `margin`: example_fields), one entry a completion.
     """
     prompts = [ex["prompt"] for ex in examples for _ in range(per_prompt)]
     answers = [ex["answer"] for ex in examples for _ in range(per_prompt)]
@@ -131,7 +133,31 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
         completion_mask=completion_mask,
         token_scores=token_scores,
         rewards=token_scores.sum(1),
+        **example_fields(examples, per_prompt),
     )
+
+
+ROLLOUT_KEYS = ("prompts", "answers", "completions", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+ROLLOUT_KEYS += ("token_scores", "rewards")  # what rollout computes; the rest of its batch is the examples' fields
+# The names a step's batch or dump gives its own tensors: an example's field may not take one.
+BATCH_NAMES = (*ROLLOUT_KEYS, "scores", "values", "old_logp", "ref_logp", "advantages", "returns", "eos_ids", "kl_coef")
+BATCH_NAMES += ("num_seqs", "num_tokens", "new_logp", "new_values", "entropy", "per_token_loss", "loss", "minibatches")
+
+
+def example_fields(examples, per_prompt):
+    """The examples' fields besides prompt and answer (tasks/user.other_fields: a `margin`, a `difficulty`), each
+    repeated for the `per_prompt` completions of its prompt: a tensor [N] when every value is a number (int64, or
+    float32 with any float among them; a bool: bool), else a list [N] (None where an example lacks the field)."""
+    names = sorted({key for example in examples for key in example} - {"prompt", "answer"})
+    taken = [name for name in names if name in BATCH_NAMES or name.startswith("micro")]
+    if taken:
+        raise UsageError(f"the examples' field {taken[0]!r} is a name the batch uses for its own: rename it")
+    fields = {}
+    for name in names:
+        values = [example.get(name) for example in examples for _ in range(per_prompt)]
+        numbers = all(isinstance(v, (int, float)) for v in values) and len({type(v) is bool for v in values}) == 1
+        fields[name] = torch.as_tensor(values) if numbers and all(abs(v) < 2**63 for v in values) else values
+    return fields
 
 
 def print_samples(step, batch, per_prompt, every, count=3):
@@ -438,10 +464,12 @@ def token_means(terms):
     return means
 
 
-def ids_and_masks(batch):
-    """The token ids and masks of a sampled batch: what a model reads (its prompt_ids, prompt_mask [N, P],
-    completion_ids, completion_mask [N, T])."""
-    return {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+def batch_inputs(batch):
+    """What the algorithm reads of a sampled batch beside its rewards: the token ids and masks a model reads
+    (prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T]) and the examples' other fields [N]
+    (a `margin`: example_fields), so they reach the loss's batch and the dumps."""
+    inputs = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}
 
 
 def evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype):

@@ -326,7 +326,7 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
-            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, ref_logp=b_ref_logp)
+            b_rollout = dict(common.batch_inputs(sampled), rewards=rewards, ref_logp=b_ref_logp)
             # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
             tensors = dict(b_rollout, old_logp=b_old_logp, rewards=all_rewards)
             advantages = compute_advantages(common.entry_batch("compute_advantages", tensors), args)

@@ -424,7 +424,7 @@ def main(args, flags_given=()):
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
             b_rollout = dict(
-                common.ids_and_masks(sampled),
+                common.batch_inputs(sampled),
                 scores=scores,
                 token_scores=sampled["token_scores"],
                 values=b_values,

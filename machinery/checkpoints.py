@@ -133,13 +133,17 @@ def file_manifest(folder):
 
 
 def data_fingerprint(examples):
-    """sha256 of the training examples, in order: a resumed run must draw its prompts from the same list."""
+    """sha256 of the training examples, in order, every field of each (a task's examples or reward_model.py's pairs,
+    a `margin` as much as the prompt): a resumed run must draw its prompts from the same list, the same data."""
     import hashlib
     import json
 
-    keys = ("prompt", "answer", "chosen", "rejected")  # a task's examples, or reward_model.py's pairs
-    text = json.dumps([[example[key] for key in keys if key in example] for example in examples])
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    keys = ("prompt", "answer", "chosen", "rejected")  # then the other fields by name, but "where" (the line it is on)
+    rows = []
+    for example in examples:
+        other = sorted([key, value] for key, value in example.items() if key not in keys and key != "where")
+        rows.append([example[key] for key in keys if key in example] + ([other] if other else []))
+    return hashlib.sha256(json.dumps(rows, default=repr).encode("utf-8")).hexdigest()  # repr: what JSON cannot write
 
 
 def rng_state():

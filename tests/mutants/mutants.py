@@ -781,4 +781,20 @@ MUTANTS = [
         find='means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)',
         replace='means["clipfrac"] = clip_fraction(terms["logratio"], terms["advantages"], 0.2, 0.2, mask)',
     ),
+    dict(
+        name="fingerprint-of-four-keys-only",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_data_fields.py", "-k", "fingerprint"],
+        what="the data's fingerprint leaves out a line's other fields: a resume after every margin was rewritten runs",
+        find='other = sorted([key, value] for key, value in example.items() if key not in keys and key != "where")',
+        replace="other = []",
+    ),
+    dict(
+        name="example-fields-dropped",
+        file="common.py",
+        tests=["tests/test_data_fields.py", "-k", "reaches"],
+        what="the examples' other fields never reach the loss's batch",
+        find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
+        replace="return {key: value for key, value in batch.items() if key in inputs}",
+    ),
 ]
