@@ -17,6 +17,7 @@ from tqdm import tqdm
 from machinery import distributed as dist
 from machinery import models, precision, prompt_cache, scoring
 from machinery.errors import UsageError
+from machinery.models import position_ids_from_mask  # positions over real tokens: left padding shifts none
 
 
 class PromptSampler:
@@ -98,6 +99,14 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+def sample_round(sampler, policy, tokenizer, scorer, per_prompt, args, device, dtype, eos_ids):
+    """One round of a step's sampling: this process's prompts (sample_prompts), then `per_prompt` completions of each
+    (rollout). The loops bind everything but the round with functools.partial; GRPO's dynamic sampling calls it
+    again."""
+    examples = sample_prompts(sampler, args)
+    return rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype, eos_ids)
 
 
 def sample_prompts(sampler, args):
@@ -218,11 +227,6 @@ def mask_after_eos(completion_ids, eos_ids):
 # ---------------------------------------------------------------------------------------------------
 # Per-token log-probs of the completions, and means over their real tokens.
 # ---------------------------------------------------------------------------------------------------
-
-
-def position_ids_from_mask(attention_mask):
-    """Positions counted over real tokens only, so left padding does not shift them: [0 0 0 1 2 ...]."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _logprobs_and_entropy(logits, labels, temperature, with_entropy, entropy_grad):
@@ -462,6 +466,33 @@ def token_means(terms):
     if "value_clipped" in terms:
         means["clipfrac_value"] = masked_mean(terms["value_clipped"].float(), mask)
     return means
+
+
+def model_inputs(batch):
+    """(input_ids, attention_mask [N, P + T], completion_mask [N, T]) of a sampled batch: what token_logprobs and PPO's
+    critic read, prompt (left-padded) then completion. A micro-batch's: `[x[rows] for x in inputs]`."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_mask"]
+
+
+def shuffled_minibatches(n, epochs, num_minibatches, device):
+    """PPO's minibatches: `epochs` passes over rows 0..n-1, each in a fresh random order (torch's generator, drawn as
+    each pass begins) cut into `num_minibatches` index tensors."""
+    for _ in range(epochs):
+        yield from torch.randperm(n, device=device).split(n // num_minibatches)
+
+
+def in_micro_batches(fn, model, inputs, size, *extra):
+    """fn(model, *a micro-batch's inputs, *extra) over consecutive micro-batches of `size` rows, concatenated: a
+    rollout's passes without gradient (old and reference log-probs, PPO's values), at a micro-batch's memory."""
+    starts = range(0, len(inputs[0]), size)
+    return torch.cat([fn(model, *(x[i : i + size] for x in inputs), *extra) for i in starts])
+
+
+def rollout_logprobs(model, inputs, args):
+    """The per-token log-probs [N, T] of a sampled batch's completions under `model`, by micro-batches (the caller
+    holds torch.no_grad and autocast): the old policy's or the reference's, computed once a step."""
+    return in_micro_batches(token_logprobs, model, inputs, args.micro_batch_size, args.temperature)
 
 
 def batch_inputs(batch):
