@@ -799,4 +799,20 @@ MUTANTS = [
         find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
         replace="return {key: value for key, value in batch.items() if key in inputs}",
     ),
+    dict(
+        name="branch-resumes-in-the-source-folder",
+        file="machinery/bookkeeping.py",
+        tests=["tests/test_branch.py", "-k", "leaves"],
+        what="--resume with another --output-dir continues in the checkpoint's run folder, writing in it",
+        find="if args.resume and not checkpoints.branches(args):",
+        replace="if args.resume:",
+    ),
+    dict(
+        name="branch-changes-a-fixed-flag",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_branch.py", "-k", "keeps"],
+        what="a branch lets --learning-rate differ, which the restored optimizer state silently overrides",
+        find="if key in RESUMABLE_CHANGES or (branch and key not in BRANCH_FIXED):",
+        replace="if key in RESUMABLE_CHANGES or branch:",
+    ),
 ]
