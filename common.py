@@ -3,8 +3,9 @@
 Drawing prompts (PromptSampler), sampling completions from the policy in one batched call (generate), the
 per-token log-probs of those completions (token_logprobs), the mean over real tokens (masked_mean), and the
 logged statistics of an update (approx_kl, clip_fraction, explained_variance). Nothing here is specific to one
-algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loading models is in models.py,
-tasks in tasks.py, the run's flags and logs in bookkeeping.py, its checkpoints, dumps and guards in checkpoints.py.
+algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loading models is in
+machinery/models.py, tasks in tasks/__init__.py, the flags in machinery/flags.py, the run's logs in
+machinery/bookkeeping.py, its checkpoints in machinery/checkpoints.py and its dumps and guards in machinery/dumps.py.
 """
 
 import random
@@ -15,6 +16,8 @@ from tqdm import tqdm
 
 from machinery import distributed as dist
 from machinery import models, precision, prompt_cache, scoring
+from machinery.errors import UsageError
+from machinery.models import position_ids_from_mask  # positions over real tokens: left padding shifts none
 
 
 class PromptSampler:
@@ -85,7 +88,8 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
     model_config, model.generation_config = model.generation_config, GenerationConfig()
     try:
         with precision.generation_mode(model), precision.decoding_attention(model, prompt_ids, max_new_tokens):
-            # A prompt repeated for a group is computed once (prompt_cache.py); generate() continues from its cache.
+            # A prompt repeated for a group is computed once (machinery/prompt_cache.py); generate() continues from
+            # its cache.
             cache = prompt_cache.shared_prompt_cache(
                 model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
             )
@@ -95,6 +99,14 @@ def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, gr
         model.generation_config = model_config
     completion_ids = out[:, prompt_ids.shape[1] :]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
+
+
+def sample_round(sampler, policy, tokenizer, scorer, per_prompt, args, device, dtype, eos_ids):
+    """One round of a step's sampling: this process's prompts (sample_prompts), then `per_prompt` completions of each
+    (rollout). The loops bind everything but the round with functools.partial; GRPO's dynamic sampling calls it
+    again."""
+    examples = sample_prompts(sampler, args)
+    return rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype, eos_ids)
 
 
 def sample_prompts(sampler, args):
@@ -107,7 +119,8 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     task's reward on their tokens (score_tokens: an outcome score at the last token, a dense reward where earned).
 
     Returns a batch dict (concat_batches joins two, select_rows picks rows): prompts, answers, completions [N] and
-    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums).
+    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums),
+    and each other field of the examples (a JSONL line's `margin`: example_fields), one entry a completion.
     """
     prompts = [ex["prompt"] for ex in examples for _ in range(per_prompt)]
     answers = [ex["answer"] for ex in examples for _ in range(per_prompt)]
@@ -129,7 +142,31 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
         completion_mask=completion_mask,
         token_scores=token_scores,
         rewards=token_scores.sum(1),
+        **example_fields(examples, per_prompt),
     )
+
+
+ROLLOUT_KEYS = ("prompts", "answers", "completions", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+ROLLOUT_KEYS += ("token_scores", "rewards")  # what rollout computes; the rest of its batch is the examples' fields
+# The names a step's batch or dump gives its own tensors: an example's field may not take one.
+BATCH_NAMES = (*ROLLOUT_KEYS, "scores", "values", "old_logp", "ref_logp", "advantages", "returns", "eos_ids", "kl_coef")
+BATCH_NAMES += ("num_seqs", "num_tokens", "new_logp", "new_values", "entropy", "per_token_loss", "loss", "minibatches")
+
+
+def example_fields(examples, per_prompt):
+    """The examples' fields besides prompt and answer (tasks/user.other_fields: a `margin`, a `difficulty`), each
+    repeated for the `per_prompt` completions of its prompt: a tensor [N] when every value is a number (int64, or
+    float32 with any float among them; a bool: bool), else a list [N] (None where an example lacks the field)."""
+    names = sorted({key for example in examples for key in example} - {"prompt", "answer"})
+    taken = [name for name in names if name in BATCH_NAMES or name.startswith("micro")]
+    if taken:
+        raise UsageError(f"the examples' field {taken[0]!r} is a name the batch uses for its own: rename it")
+    fields = {}
+    for name in names:
+        values = [example.get(name) for example in examples for _ in range(per_prompt)]
+        numbers = all(isinstance(v, (int, float)) for v in values) and len({type(v) is bool for v in values}) == 1
+        fields[name] = torch.as_tensor(values) if numbers and all(abs(v) < 2**63 for v in values) else values
+    return fields
 
 
 def print_samples(step, batch, per_prompt, every, count=3):
@@ -192,11 +229,6 @@ def mask_after_eos(completion_ids, eos_ids):
 # ---------------------------------------------------------------------------------------------------
 
 
-def position_ids_from_mask(attention_mask):
-    """Positions counted over real tokens only, so left padding does not shift them: [0 0 0 1 2 ...]."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def _logprobs_and_entropy(logits, labels, temperature, with_entropy, entropy_grad):
     logits = logits.float() / temperature  # float32 for this chunk only
     logz = torch.logsumexp(logits, dim=-1)
@@ -236,7 +268,7 @@ def token_logprobs(
     T = completion_mask.shape[1]
     position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
     with precision.log_prob_attention(model, input_ids.device):  # on a CPU under bf16: attention in float32, faster
-        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (prompt_cache.py).
+        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (machinery/prompt_cache.py).
         cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
         if cache is None:
             out = model(
@@ -361,11 +393,18 @@ def entry_batch(entry, tensors):
     return {key: value for key, value in tensors.items() if key not in later}
 
 
+def clipped_tokens(logratio, advantages, clip_low, clip_high):
+    """The tokens whose gradient the PPO clip cuts off, [n, T] bool: the ratio beyond 1 - clip_low with A < 0, or
+    beyond 1 + clip_high with A > 0 (there the clipped term is the larger loss, a constant). grpo_loss and ppo_loss
+    return it among their terms as `clipped`; losses/clipfrac and verify's notes read it from there, so a loss that
+    clips otherwise (CISPO's weight) returns its own."""
+    ratio = torch.exp(logratio)
+    return ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+
+
 def clip_fraction(logratio, advantages, clip_low, clip_high, mask):
     """Share of real tokens whose gradient the clip cut off (the clipped term was the larger loss)."""
-    ratio = torch.exp(logratio)
-    clipped = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return masked_mean(clipped.float(), mask)
+    return masked_mean(clipped_tokens(logratio, advantages, clip_low, clip_high).float(), mask)
 
 
 def approx_kl(logratio, mask):
@@ -391,7 +430,7 @@ def explained_variance(values, returns, mask, mean=masked_mean):
 
 
 @torch.no_grad()
-def logged_losses(updates, args):
+def logged_losses(updates):
     """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
 
     updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
@@ -402,7 +441,7 @@ def logged_losses(updates, args):
     for micro_terms in updates:
         update = 0
         for terms in micro_terms:
-            means = token_means(terms, args)
+            means = token_means(terms)
             names = list(means)
             tokens = terms["mask"].sum().double()
             update = update + torch.stack([value.double() * tokens for value in means.values()] + [tokens])
@@ -412,28 +451,56 @@ def logged_losses(updates, args):
     return {name: value.item() for name, value in zip(names, means.mean(0))}
 
 
-def token_means(terms, args):
-    """One micro-batch's statistics, means over its real tokens: the clipped surrogate's, GRPO's KL term, PPO's
-    critic."""
-    mask, logratio = terms["mask"], terms["logratio"]
-    means = dict(
-        policy_loss=masked_mean(terms["pg_loss"], mask),
-        approx_kl=approx_kl(logratio, mask),
-        clipfrac=clip_fraction(logratio, terms["advantages"], args.clip_low, args.clip_high, mask),
-        entropy=masked_mean(terms["entropy"], mask),
-    )
+def token_means(terms):
+    """One micro-batch's statistics, means over its real tokens, each from the loss's own terms (a variant's loss
+    says what it clipped): the clipped surrogate's, GRPO's KL term, PPO's critic."""
+    mask = terms["mask"]
+    means = dict(policy_loss=masked_mean(terms["pg_loss"], mask), approx_kl=approx_kl(terms["logratio"], mask))
+    if "clipped" in terms:  # the tokens the loss clipped: a loss without a clip logs no clipfrac
+        means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)
+    means["entropy"] = masked_mean(terms["entropy"], mask)
     if "kl_ref" in terms:
         means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
     if "v_loss" in terms:
-        v_clipped = (terms["new_values"] - terms["old_values"]).abs() > args.cliprange_value
-        means.update(value_loss=masked_mean(terms["v_loss"], mask), clipfrac_value=masked_mean(v_clipped.float(), mask))
+        means["value_loss"] = masked_mean(terms["v_loss"], mask)
+    if "value_clipped" in terms:
+        means["clipfrac_value"] = masked_mean(terms["value_clipped"].float(), mask)
     return means
 
 
-def ids_and_masks(batch):
-    """The token ids and masks of a sampled batch: what a model reads (its prompt_ids, prompt_mask [N, P],
-    completion_ids, completion_mask [N, T])."""
-    return {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+def model_inputs(batch):
+    """(input_ids, attention_mask [N, P + T], completion_mask [N, T]) of a sampled batch: what token_logprobs and PPO's
+    critic read, prompt (left-padded) then completion. A micro-batch's: `[x[rows] for x in inputs]`."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_mask"]
+
+
+def shuffled_minibatches(n, epochs, num_minibatches, device):
+    """PPO's minibatches: `epochs` passes over rows 0..n-1, each in a fresh random order (torch's generator, drawn as
+    each pass begins) cut into `num_minibatches` index tensors."""
+    for _ in range(epochs):
+        yield from torch.randperm(n, device=device).split(n // num_minibatches)
+
+
+def in_micro_batches(fn, model, inputs, size, *extra):
+    """fn(model, *a micro-batch's inputs, *extra) over consecutive micro-batches of `size` rows, concatenated: a
+    rollout's passes without gradient (old and reference log-probs, PPO's values), at a micro-batch's memory."""
+    starts = range(0, len(inputs[0]), size)
+    return torch.cat([fn(model, *(x[i : i + size] for x in inputs), *extra) for i in starts])
+
+
+def rollout_logprobs(model, inputs, args):
+    """The per-token log-probs [N, T] of a sampled batch's completions under `model`, by micro-batches (the caller
+    holds torch.no_grad and autocast): the old policy's or the reference's, computed once a step."""
+    return in_micro_batches(token_logprobs, model, inputs, args.micro_batch_size, args.temperature)
+
+
+def batch_inputs(batch):
+    """What the algorithm reads of a sampled batch beside its rewards: the token ids and masks a model reads
+    (prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T]) and the examples' other fields [N]
+    (a `margin`: example_fields), so they reach the loss's batch and the dumps."""
+    inputs = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}
 
 
 def evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype):

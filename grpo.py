@@ -27,6 +27,7 @@ Where this departs from the paper:
      beta 0.04: seeds 1 and 3 ended at 0.79-0.90; the paper's k3: 0.95-0.96. HUB_DEFAULTS: the paper's.
 """
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 
 import common
 from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, startup
-from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
+from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
 from machinery.errors import UsageError
 from tasks import load_task
 
@@ -54,7 +55,7 @@ class Args(flags.RunArgs):
     model: str = models.TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
-    """task to train on (see tasks.py)"""
+    """task to train on (see tasks/__init__.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
     """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
     num_steps: int = 600
@@ -120,6 +121,7 @@ HUB_DEFAULTS = dict(
 SCRIPT = "grpo"  # names its checkpoints, dumps and logs
 DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
 LOADERS = {"policy": models.load_causal_lm}  # what --resume builds each trained model's checkpoint into
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")  # --loss-agg, aggregate_loss
 
 
 def check_args(args):
@@ -136,6 +138,11 @@ def check_args(args):
     dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
 
 
+def informative_groups(rewards, group_size):
+    """[groups] bool: the groups whose rewards differ (an all-equal group has advantage 0 on every token)."""
+    return rewards.view(-1, group_size).std(1) > 0
+
+
 def dynamic_sampling(sample, args, stopped=lambda: False):
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose rewards are all equal has advantage 0
     on every token and only dilutes the batch, so sample more rounds until prompts_per_step groups have rewards
@@ -144,11 +151,12 @@ def dynamic_sampling(sample, args, stopped=lambda: False):
     after a signal (`stopped()`, asked between rounds): the step ends, and the run saves and stops.
     Returns the batch and the number of rounds sampled."""
     batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
-    informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0  # [groups]
-    more = lambda: not stopped() and dist.any(int(informative().sum()) < n_groups)  # a process lacks some
-    while rounds < args.max_sampling_rounds and more():
+    while rounds < args.max_sampling_rounds and not stopped():
+        found = int(informative_groups(batch["rewards"], args.group_size).sum())
+        if not dist.any(found < n_groups):  # no process lacks some
+            break
         batch, rounds = common.concat_batches(batch, sample()), rounds + 1
-    informative = informative()
+    informative = informative_groups(batch["rewards"], args.group_size)  # [groups]
     groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
     rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
     return common.select_rows(batch, rows), rounds
@@ -195,9 +203,6 @@ def clipped_policy_loss(logratio, advantages, clip_low, clip_high):
     return torch.max(pg_loss1, pg_loss2)
 
 
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-
-
 def aggregate_loss(loss, mask, agg, total_seqs, total_tokens, max_new_tokens):
     """Reduce a per-token loss [b, T] of one micro-batch to its share of the whole-batch loss.
 
@@ -229,7 +234,8 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
       loss    = aggregate_loss(L) with the batch's total_seqs sequences and total_tokens real tokens
 
     new_logp [n, T] carries the gradient; old_logp and ref_logp [n, T] (None when beta = 0) and advantages [n]
-    do not. Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    do not. Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs), with the
+    tokens whose gradient the clip cut off (`clipped`: losses/clipfrac and verify's notes read it).
     """
     logratio = new_logp - old_logp  # [n, T]
     if args.importance_level == "sequence":
@@ -255,6 +261,7 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, total_seqs, total_
         logratio=logratio,
         pg_loss=pg_loss,
         kl_ref=kl_ref,
+        clipped=common.clipped_tokens(logratio, advantages[:, None], args.clip_low, args.clip_high),  # clipfrac's
         per_token_loss=per_token_loss * mask,
         loss=loss,
     )
@@ -267,16 +274,8 @@ def compute_loss(outputs, batch, args):
     num_tokens: the whole batch's), from the policy's outputs (new_logp). A new loss term goes here."""
     new_logp, old_logp = outputs["new_logp"], batch.get("old_logp")
     old_logp = new_logp.detach() if old_logp is None else old_logp
-    return grpo_loss(
-        new_logp,
-        old_logp,
-        batch.get("ref_logp"),
-        batch["advantages"],
-        batch["completion_mask"],
-        batch["num_seqs"],
-        batch["num_tokens"],
-        args,
-    )
+    ref_logp, advantages, mask = batch.get("ref_logp"), batch["advantages"], batch["completion_mask"]
+    return grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, batch["num_seqs"], batch["num_tokens"], args)
 
 
 def main(args, flags_given=()):
@@ -289,11 +288,14 @@ def main(args, flags_given=()):
     # same autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.beta > 0 else None
     scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
-    # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
+    sampler = common.PromptSampler(task.train, args.seed)
+    # DISTRIBUTED (torchrun): each process holds a shard of each model; the rest reads as on one.
     policy, ref_model = dist.shard(policy, ref_model)
+    sample = functools.partial(  # ROLLOUT's one round: this process's prompts and their completions
+        common.sample_round, sampler, policy, tokenizer, scorer, args.group_size, args, device, dtype, eos_ids
+    )
     lrs = {"policy": args.learning_rate}
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
-    sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
@@ -304,48 +306,41 @@ def main(args, flags_given=()):
     for step in pbar:
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
-            prompts = lambda: common.sample_prompts(sampler, args)
-            sample = lambda: common.rollout(
-                policy, tokenizer, scorer, prompts(), args.group_size, args, device, dtype, eos_ids
-            )
             sampled, rounds = dynamic_sampling(sample, args, stop.requested) if args.dynamic_sampling else (sample(), 1)
-            rewards, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
-            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
-            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
-            N, num_tokens = len(rewards), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
-            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
-            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
+            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
+            inputs = common.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
+            N, num_tokens = len(scores), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
-                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
-                b_old_logp = forward(logprobs, policy) if args.num_iterations > 1 else None
-                b_ref_logp = forward(logprobs, ref_model) if ref_model else None
+                b_old_logp = common.rollout_logprobs(policy, inputs, args) if args.num_iterations > 1 else None
+                b_ref_logp = common.rollout_logprobs(ref_model, inputs, args) if ref_model else None
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
-            all_rewards = dist.gather(rewards)  # every process's rewards (one process: `rewards`), for the std and logs
-            b_rollout = dict(common.ids_and_masks(sampled), rewards=rewards, ref_logp=b_ref_logp)
+            all_scores = dist.gather(scores)  # every process's scores (one process: `scores`), for the std and logs
+            b_rollout = dict(common.batch_inputs(sampled), rewards=scores, old_logp=b_old_logp, ref_logp=b_ref_logp)
             # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
-            tensors = dict(b_rollout, old_logp=b_old_logp, rewards=all_rewards)
+            tensors = dict(b_rollout, rewards=all_scores)
             advantages = compute_advantages(common.entry_batch("compute_advantages", tensors), args)
-            b_rollout["advantages"] = advantages = advantages[dist.rows(len(rewards))]  # [N], this process's rows
-            batch = dict(b_rollout, old_logp=b_old_logp, num_seqs=len(all_rewards), num_tokens=num_tokens)
+            b_rollout["advantages"] = advantages[dist.rows(N)]  # [N], this process's rows
 
         # OPTIMIZE: num_iterations optimizer steps, each on the whole batch in order, accumulated over micro-batches.
         with timer("train"):
             for model in trained.values():
                 model.train()
-            minibatches = (torch.arange(N, device=device) for iteration in range(args.num_iterations))
+            minibatches = [torch.arange(N, device=device)] * args.num_iterations  # each optimizer step: the whole batch
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for mb_inds in minibatches:
-                mb_batch = batch  # num_seqs, num_tokens: the whole batch's, under torchrun every process's
+                mb_batch = dict(b_rollout, num_seqs=len(all_scores), num_tokens=num_tokens)  # under torchrun: all's
                 optimizer.zero_grad(set_to_none=True)
                 updates.append([])
                 for micro in mb_inds.split(args.micro_batch_size):
+                    mb_inputs = [
+                        x[micro] for x in inputs
+                    ]  # the micro-batch's input_ids, attention_mask, completion_mask
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy, *rows(micro), args.temperature, return_entropy=True
-                        )  # [n, T]
+                            policy, *mb_inputs, args.temperature, return_entropy=True
+                        )
                     outputs = dict(new_logp=new_logp)
                     micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))
                     loss, terms = compute_loss(outputs, micro_batch, args)
@@ -353,30 +348,30 @@ def main(args, flags_given=()):
                     updates[-1].append(dict(terms, entropy=entropy))
                 grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)  # each model's own
                 dump = dumps.batch_dump(b_rollout, updates[-1], DUMPED)  # the last iteration's is written
-                dumps.stop_if_not_finite(step, run_dir, dump, rewards, updates[-1], sum(grad_norms.values()))
+                dumps.stop_if_not_finite(step, run_dir, dump, scores, updates[-1], sum(grad_norms.values()))
                 optimizer.step()
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
-        history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        scores, lengths = all_rewards, dist.gather(b_mask.sum(1).float())
-        history["score"].append(scores.mean().item())  # GRPO's reward is the task score: its KL is in the loss
+        history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))
+        lengths = dist.gather(b_mask.sum(1).float())
+        history["score"].append(all_scores.mean().item())  # GRPO's reward is the task score: its KL is in the loss
         history["length"].append(lengths.mean().item())
-        groups = all_rewards.view(-1, args.group_size)  # [prompts, G]
+        groups = all_scores.view(-1, args.group_size)  # [prompts, G]
         baseline = groups.mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
         scalars = {
             "charts/score": history["score"][-1],
-            "charts/reward_std": all_rewards.std(),
+            "charts/reward_std": all_scores.std(),
             "charts/sampled_completions": rounds * args.prompts_per_step * args.group_size,
             "charts/informative_groups": (groups.std(1) > 0).float().mean(),
             "charts/completion_length": lengths.mean(),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
-            "losses/explained_variance": common.explained_variance(baseline, all_rewards, torch.ones_like(all_rewards)),
+            "losses/explained_variance": common.explained_variance(baseline, all_scores, torch.ones_like(all_scores)),
             "losses/grad_norm": dist.local(grad_norms["policy"]),
         }
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
-        losses = common.logged_losses(updates, args)
+        losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
@@ -388,9 +383,7 @@ def main(args, flags_given=()):
         if stop.name:
             stop.exit(step, writer, SCRIPT)
 
-    final_dir = os.path.join(run_dir, "final")
-    checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
-    lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
+    final_dir = lora.save_final(policy, tokenizer, run_dir, args)  # final/, and final-merged/ with --lora-merged
     writer.close()
     bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
     return history["score"]

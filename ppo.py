@@ -24,6 +24,7 @@ Where this departs from the papers:
      does): the critic learns returns in the task's own units, which --cliprange-value is measured in.
 """
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ import torch
 
 import common
 from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
-from machinery import distributed as dist  # this project's torchrun support (distributed.py): identities on one process
+from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
+from machinery.critic import load_critic  # PPO's value model: the policy's transformer, a scalar head
 from machinery.errors import UsageError
 from tasks import load_task
 
@@ -51,7 +53,7 @@ class Args(flags.RunArgs):
     model: str = models.TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
-    """task to train on (see tasks.py)"""
+    """task to train on (see tasks/__init__.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
     """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
     num_steps: int = 350
@@ -164,45 +166,12 @@ def check_args(args):
         )
 
 
-class Critic(torch.nn.Module):
-    """The value model: its own copy of an LM's transformer (no vocabulary head) with a scalar head on every
-    position's last hidden state. It builds from any decoder-only architecture that AutoModel knows.
-
-    The head starts at zero, so every first value is 0: in lm-human-preferences (language/model.py) the value
-    head is zero-initialised (the N(0, 1/sqrt(H + 1)) init there is the reward head's). A head drawn at random
-    would give values of about +-1 whose errors, whitened into advantages, push the policy at random.
-    """
-
-    def __init__(self, backbone):
-        super().__init__()
-        self.backbone = backbone
-        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1, device=backbone.device)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids, attention_mask):
-        position_ids = common.position_ids_from_mask(attention_mask)
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
-        return self.value_head(hidden.last_hidden_state).squeeze(-1).float()  # [B, L]
-
-    def save_pretrained(self, folder, state_dict=None):
-        """The backbone as a transformers folder (AutoModel reloads it), the head beside it; from `state_dict` if
-        given."""
-        models.save_backbone_and_head(self.backbone, state_dict or self.state_dict(), folder)
-
-
-def load_critic(name, device, args=None):
-    """A critic whose backbone starts from `name` (a causal LM, or a saved critic whose head comes back too); with
-    --lora-rank in `args`, its own adapters on its own frozen copy of the backbone (docs/lora_and_memory.md)."""
-    critic = Critic(models.load_backbone(name, device))
-    models.load_head(critic.value_head, name, device)
-    lora.wrap(critic.backbone, args, task_type=None) if args is not None else None
-    return critic
-
-
 LOADERS = {"policy": models.load_causal_lm, "critic": load_critic}  # what --resume builds each checkpoint into
+
+
+def rollout_values(critic, inputs, args):
+    """The critic's values [N, T] of a sampled batch (token_values), by micro-batches, as the rollout's log-probs."""
+    return common.in_micro_batches(token_values, critic, inputs, args.micro_batch_size)
 
 
 def token_values(critic, input_ids, attention_mask, completion_mask):
@@ -329,7 +298,8 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
 
     new_logp, new_values and entropy [n, T] carry the gradients (the entropy only when ent_coef > 0);
     old_logp, advantages, old_values, returns [n, T] do not.
-    Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs).
+    Returns the loss and, detached, every per-token tensor of the micro-batch (for dumps and logs), with the tokens
+    whose gradient a clip cut off (`clipped`, `value_clipped`: losses/clipfrac and verify's notes read them).
     """
     logratio = new_logp - old_logp  # [n, T]
     pg_loss = clipped_policy_loss(logratio, advantages, args.clip_low, args.clip_high)  # [n, T]
@@ -345,6 +315,8 @@ def ppo_loss(new_logp, old_logp, advantages, new_values, old_values, returns, ma
         logratio=logratio,
         pg_loss=pg_loss,
         v_loss=v_loss,
+        clipped=common.clipped_tokens(logratio, advantages, args.clip_low, args.clip_high),  # losses/clipfrac's
+        value_clipped=(new_values - old_values).abs() > args.cliprange_value,  # losses/clipfrac_value's
         entropy=entropy,
         per_token_loss=per_token_loss,
         loss=loss,
@@ -356,18 +328,10 @@ def compute_loss(outputs, batch, args):
     """ppo_loss from the models' outputs (new_logp, new_values, entropy) on a micro-batch of the dump's names
     (num_tokens: its minibatch's real tokens). The entry point the loop and verify.py's self-check call: a new term
     goes here."""
-    return ppo_loss(
-        outputs["new_logp"],
-        batch["old_logp"],
-        batch["advantages"],
-        outputs["new_values"],
-        batch["values"],
-        batch["returns"],
-        batch["completion_mask"],
-        batch["num_tokens"],
-        args,
-        outputs["entropy"],
-    )
+    new_logp, new_values, entropy = outputs["new_logp"], outputs["new_values"], outputs["entropy"]
+    old_logp, advantages, values, returns = batch["old_logp"], batch["advantages"], batch["values"], batch["returns"]
+    mask, tokens = batch["completion_mask"], batch["num_tokens"]
+    return ppo_loss(new_logp, old_logp, advantages, new_values, values, returns, mask, tokens, args, entropy)
 
 
 def main(args, flags_given=()):
@@ -385,11 +349,14 @@ def main(args, flags_given=()):
     # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.kl_coef > 0 or args.target_kl is not None else None
     scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
-    # DISTRIBUTED (torchrun, distributed.py): each process holds a shard of each model; the rest reads as on one.
+    sampler = common.PromptSampler(task.train, args.seed)
+    # DISTRIBUTED (torchrun): each process holds a shard of each model; the rest reads as on one.
     policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
+    sample = functools.partial(  # ROLLOUT's one round: this process's prompts and their completions
+        common.sample_round, sampler, policy, tokenizer, scorer, args.samples_per_prompt, args, device, dtype, eos_ids
+    )
     lrs = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
-    sampler = common.PromptSampler(task.train, args.seed)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
@@ -401,52 +368,36 @@ def main(args, flags_given=()):
     for step in pbar:
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
-            prompts = lambda: common.sample_prompts(sampler, args)
-            sample = lambda: common.rollout(
-                policy, tokenizer, scorer, prompts(), args.samples_per_prompt, args, device, dtype, eos_ids
-            )
             sampled = sample()
             scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
-            b_input_ids = torch.cat([sampled["prompt_ids"], sampled["completion_ids"]], dim=1)  # [N, P + T]
-            b_attention_mask = torch.cat([sampled["prompt_mask"], b_mask], dim=1)
+            inputs = common.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
             N = len(scores)
-            rows = lambda m: (b_input_ids[m], b_attention_mask[m], b_mask[m])  # a micro-batch's model inputs
-            micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, N, args.micro_batch_size)]
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
-                forward = lambda fn, model: torch.cat([fn(model, *rows(m)) for m in micro_batches])
-                logprobs = lambda model, *batch: common.token_logprobs(model, *batch, args.temperature)
-                b_old_logp, b_values = forward(logprobs, policy), forward(token_values, critic)  # [N, T] each
-                b_ref_logp = forward(logprobs, ref_model) if ref_model else b_old_logp
+                b_old_logp, b_values = (
+                    common.rollout_logprobs(policy, inputs, args),
+                    rollout_values(critic, inputs, args),
+                )
+                b_ref_logp = (
+                    common.rollout_logprobs(ref_model, inputs, args) if ref_model else b_old_logp
+                )  # [N, T] each
 
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
-            b_rollout = dict(
-                common.ids_and_masks(sampled),
-                scores=scores,
-                token_scores=sampled["token_scores"],
-                values=b_values,
-                old_logp=b_old_logp,
-                ref_logp=b_ref_logp,
-                eos_ids=torch.tensor(eos_ids, device=device),
-                kl_coef=torch.tensor(kl_coef),
-            )
+            b_rollout = dict(common.batch_inputs(sampled), scores=scores, token_scores=sampled["token_scores"])
+            b_rollout.update(values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(kl_coef))
+            b_rollout["eos_ids"] = torch.tensor(eos_ids, device=device)
             # Each entry point gets its batch from common.entry_batch, as verify.py gives it.
-            b_rewards, kl = compute_rewards(
-                common.entry_batch("compute_rewards", b_rollout), args, mean=dist.masked_mean
-            )
-            batch = common.entry_batch("compute_advantages", dict(b_rollout, rewards=b_rewards))
-            b_advantages, b_returns = compute_advantages(batch, args, mean=dist.masked_mean)  # [N, T] each
+            tensors = common.entry_batch("compute_rewards", b_rollout)
+            b_rewards, kl = compute_rewards(tensors, args, mean=dist.masked_mean)
+            tensors = common.entry_batch("compute_advantages", dict(b_rollout, rewards=b_rewards))
+            b_advantages, b_returns = compute_advantages(tensors, args, mean=dist.masked_mean)  # [N, T] each
             b_rollout.update(rewards=b_rewards, advantages=b_advantages, returns=b_returns)
 
         # OPTIMIZE: update_epochs passes over the batch in a fresh order, num_minibatches optimizer steps per pass.
         with timer("train"):
             for model in trained.values():
                 model.train()
-            minibatches = (
-                mb
-                for epoch in range(args.update_epochs)
-                for mb in torch.randperm(N, device=device).split(N // args.num_minibatches)
-            )
+            minibatches = common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for mb_inds in minibatches:
                 mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # the minibatch's, under torchrun every process's
@@ -454,11 +405,14 @@ def main(args, flags_given=()):
                 optimizer.zero_grad(set_to_none=True)
                 updates.append([])
                 for micro in mb_inds.split(args.micro_batch_size):
+                    mb_inputs = [
+                        x[micro] for x in inputs
+                    ]  # the micro-batch's input_ids, attention_mask, completion_mask
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
-                            policy, *rows(micro), args.temperature, return_entropy=True, entropy_grad=args.ent_coef > 0
+                            policy, *mb_inputs, args.temperature, return_entropy=True, entropy_grad=args.ent_coef > 0
                         )  # [n, T]; the entropy is a constant (logged) unless it is in the loss
-                        new_values = token_values(critic, *rows(micro))  # [n, T]
+                        new_values = token_values(critic, *mb_inputs)  # [n, T]
                     outputs = dict(new_logp=new_logp, new_values=new_values, entropy=entropy)
                     micro_batch = common.entry_batch("compute_loss", common.select_rows(mb_batch, micro))
                     loss, terms = compute_loss(outputs, micro_batch, args)
@@ -473,9 +427,9 @@ def main(args, flags_given=()):
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
-        history["tokens"] += dist.sum(int(b_attention_mask.sum()))
-        scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
-        history["score"].append(scores.mean().item())
+        history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))
+        all_scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
+        history["score"].append(all_scores.mean().item())
         history["length"].append(lengths.mean().item())
         scalars = {
             "charts/reward": seq_rewards.mean(),
@@ -491,32 +445,21 @@ def main(args, flags_given=()):
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
         if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
             scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
-        losses = common.logged_losses(updates, args)
+        losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
         pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
         kl_coef = next_kl_coef(b_rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
+            carried = dict(history=history, kl_coef=kl_coef)  # what the next step starts from
             checkpoints.save_checkpoint(
-                checkpoint_dir,
-                SCRIPT,
-                args,
-                trained,
-                tokenizer,
-                step,
-                optimizer,
-                scheduler,
-                sampler,
-                history=history,
-                kl_coef=kl_coef,
+                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, **carried
             )
         if stop.name:
             stop.exit(step, writer, SCRIPT)
 
-    final_dir = os.path.join(run_dir, "final")
-    checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
-    lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
+    final_dir = lora.save_final(policy, tokenizer, run_dir, args)  # final/, and final-merged/ with --lora-merged
     if critic is not None:
         checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()

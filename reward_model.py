@@ -68,8 +68,8 @@ class Args:
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
     """gradients are clipped to this global norm"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """precision of the forward passes under autocast; weights stay float32 (see precision.py)"""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """precision of the forward passes under autocast; weights stay float32 (see machinery/precision.py)"""
     threads: str = "auto"
     """threads of torch's CPU operations: auto (torch's default, at most the cores other processes leave idle; an
     OMP_NUM_THREADS of yours wins) or a number"""

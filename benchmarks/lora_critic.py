@@ -42,6 +42,7 @@ def build(design, model_name, rank):
 
     import ppo
     from machinery import lora, models
+    from machinery.critic import Critic
 
     args = types.SimpleNamespace(
         model=model_name, seed=1, lora_rank=rank, lora_alpha=32.0, lora_dropout=0.0, lora_target_modules=("all-linear",)
@@ -56,7 +57,7 @@ def build(design, model_name, rank):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)  # the same initial A as `own`'s critic adapters (wrap seeds with --seed)
         peft.inject_adapter_in_model(lora.lora_config(args, None), policy, adapter_name="critic")
-    critic = ppo.Critic(policy.model)  # the policy's backbone, shared; its value head alone is new
+    critic = Critic(policy.model)  # the policy's backbone, shared; its value head alone is new
     trained = [p for n, p in policy.named_parameters() if ".critic." in n] + list(critic.value_head.parameters())
     for p in trained:
         p.requires_grad_(True)

@@ -5,8 +5,8 @@ Run through benchmarks/real_model.py (its model, task and settings), on one thre
 
 1. The CPU's matmul throughput, float32 and bfloat16: the best of a few GEMMs of the model's shapes, one thread.
 2. One GRPO step of the real-model setting, phase by phase (rollout: generate; reference: its forward; update:
-   forward, backward, AdamW), in float32 and bfloat16, each group's prompt computed once (prompt_cache.py) or for
-   every row, and with an empty system prompt; the variants interleaved, repeated. Each phase's matmul FLOPs are
+   forward, backward, AdamW), in float32 and bfloat16, each group's prompt computed once (machinery/prompt_cache.py) or
+   for every row, and with an empty system prompt; the variants interleaved, repeated. Each phase's matmul FLOPs are
    counted by torch's FlopCounterMode as they run (a first, untimed pass: AdamW's rate is 0 here, so the weights,
    hence the completions of a seed, are the same in every pass), and printed over its time as a share of the peak.
 3. grpo.py (its default dtype, and float32) and TRL's GRPOTrainer (bf16=True, and float32) for a few steps each on

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from machinery import checkpoints, flags, threads
+from machinery import checkpoints, threads
 from machinery import distributed as dist
 from machinery.errors import Interrupted, UsageError
 
@@ -79,20 +79,15 @@ def make_run_dir(args):
     """The run's folder, as an absolute path (your reward function may change the working directory).
 
     A new run's is made now, before any model loads, and exclusively: two runs started in the same second get two.
-    On --resume, it is the folder holding the checkpoint. Under torchrun rank 0 makes it, the others take its path.
+    On --resume, it is the folder holding the checkpoint; on a branch (--resume with another --output-dir) a new one.
+    Under torchrun rank 0 makes it, the others take its path.
     """
     return dist.broadcast(_make_run_dir(args) if dist.is_main() else None)
 
 
 def _make_run_dir(args):
-    if args.resume:
-        folder = os.path.dirname(os.path.abspath(args.resume))
-        if args.output_dir != flags.RunArgs.output_dir and os.path.abspath(args.output_dir) != os.path.dirname(folder):
-            raise UsageError(
-                f"--resume continues in the checkpoint's run folder {folder}, not under --output-dir "
-                f"{args.output_dir}: drop --output-dir (or copy the run folder there first)"
-            )
-        return folder
+    if args.resume and not checkpoints.branches(args):  # continues in the checkpoint's own run folder
+        return os.path.dirname(os.path.abspath(args.resume))
     output_dir = os.path.abspath(args.output_dir)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output-dir {args.output_dir} is a file, not a folder: pick another --output-dir")
@@ -111,6 +106,8 @@ def _make_run_dir(args):
             ) from None
         MADE_FOLDERS.append(folder)
         checkpoints.lock_run_folder(folder)  # held while the run lives: a --resume of it meanwhile is refused
+        if args.resume:  # a branch: a new run folder, the checkpoint's left as it is
+            checkpoints.start_branch(args.resume, folder)
         return folder
 
 

@@ -36,6 +36,38 @@ RESUMABLE_CHANGES = {
     "lora_merged",
     "threads",
 }
+# A branch (--resume into another --output-dir: a new run folder, the checkpoint's left as it is) may change every
+# other flag too, a variant's switched on: these fix what the checkpoint holds, the models and their shapes, the data
+# and its seed, and what the restored optimizer, schedule and KL controller carry (a new value there would be
+# overwritten by the checkpoint's, silently). --vf-coef may change, but not between 0 (no critic) and above.
+BRANCH_FIXED = set(
+    "model task seed critic_model lora_rank lora_alpha lora_dropout lora_target_modules "
+    "learning_rate critic_learning_rate weight_decay decay_norms_and_biases warmup_steps kl_coef".split()
+)
+
+
+def branches(args):
+    """Whether --resume continues into a new run folder under --output-dir (a branch) rather than in the checkpoint's
+    own run folder: an --output-dir given, other than the one holding that run folder."""
+    if not args.resume:
+        return False
+    default = next(field.default for field in dataclasses.fields(args) if field.name == "output_dir")
+    run_parent = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+    return args.output_dir != default and os.path.abspath(args.output_dir) != run_parent
+
+
+def start_branch(checkpoint, run_dir):
+    """A branch's new run folder starts with the TensorBoard events of the run it branches from (its writer purges
+    the steps after the checkpoint), so its curves are whole, and branched_from.json naming the checkpoint. The
+    checkpoint's own run folder is only read."""
+    source = os.path.dirname(os.path.abspath(checkpoint))
+    for name in sorted(os.listdir(source)):
+        if name.startswith("events.out.tfevents.") and os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(run_dir, name))
+    with open(os.path.join(run_dir, "branched_from.json"), "w", encoding="utf-8") as f:
+        json.dump({"checkpoint": os.path.abspath(checkpoint)}, f)
+
+
 # Bump when what a checkpoint holds changes: a checkpoint of another version is refused, not misread.
 # 2: state.pt lists its files and keys, and the training data's fingerprint (version 1 had no number).
 CHECKPOINT_VERSION = 2
@@ -133,13 +165,17 @@ def file_manifest(folder):
 
 
 def data_fingerprint(examples):
-    """sha256 of the training examples, in order: a resumed run must draw its prompts from the same list."""
+    """sha256 of the training examples, in order, every field of each (a task's examples or reward_model.py's pairs,
+    a `margin` as much as the prompt): a resumed run must draw its prompts from the same list, the same data."""
     import hashlib
     import json
 
-    keys = ("prompt", "answer", "chosen", "rejected")  # a task's examples, or reward_model.py's pairs
-    text = json.dumps([[example[key] for key in keys if key in example] for example in examples])
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    keys = ("prompt", "answer", "chosen", "rejected")  # then the other fields by name, but "where" (the line it is on)
+    rows = []
+    for example in examples:
+        other = sorted([key, value] for key, value in example.items() if key not in keys and key != "where")
+        rows.append([example[key] for key in keys if key in example] + ([other] if other else []))
+    return hashlib.sha256(json.dumps(rows, default=repr).encode("utf-8")).hexdigest()  # repr: what JSON cannot write
 
 
 def rng_state():
@@ -254,7 +290,9 @@ def find_checkpoint(folder):
 def load_checkpoint(folder, script, args, task=None):
     """The state of a checkpoint written by `script`, after checking it fits these Args (and `task`'s training
     examples, when given): every way it can differ from what was saved is one line naming what is wrong."""
-    lock_run_folder(os.path.dirname(os.path.abspath(folder)))
+    branch = branches(args)  # a branch only reads the checkpoint's run folder: no lock, no check of its finals
+    if not branch:
+        lock_run_folder(os.path.dirname(os.path.abspath(folder)))
     folder, state = find_checkpoint(os.path.normpath(folder))
     if state is None:
         hint = (
@@ -293,11 +331,16 @@ def load_checkpoint(folder, script, args, task=None):
             "restore it or start a new run"
         )
     check_files(folder, state)
-    check_later_results(folder, state["step"], args.num_steps)
+    check_later_results(folder, state["step"], args.num_steps, branch)
     saved, given = state["args"], vars(args)
     defaults = {field.name: field.default for field in dataclasses.fields(args)}
+    if branch and "vf_coef" in saved and (saved["vf_coef"] > 0) != (args.vf_coef > 0):
+        raise UsageError(
+            f"--resume {folder!r} was run with --vf-coef {saved['vf_coef']}, not {args.vf_coef}: a branch may change "
+            "it, but not between 0 (no critic) and above; pass a value on the checkpoint's side"
+        )
     for key, value in given.items():
-        if key in RESUMABLE_CHANGES:
+        if key in RESUMABLE_CHANGES or (branch and key not in BRANCH_FIXED):
             continue
         flag = f"--{key.replace('_', '-')}"
         if key not in saved and value != defaults.get(key):  # at its default, the flag reproduces the older run
@@ -306,9 +349,11 @@ def load_checkpoint(folder, script, args, task=None):
                 f"{defaults.get(key)}, not {value}: drop the flag, or start a new run"
             )
         if key in saved and saved[key] != value:
+            why = " (a branch keeps it: it fixes what the checkpoint holds)" if branch else ""
             raise UsageError(
-                f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}: "
+                f"--resume {folder!r} was run with {flag} {saved[key]}, not {value}{why}: "
                 "drop the flag or pass the checkpoint's value"
+                + ("" if branch else "; or branch the run with --output-dir NEW, where a variant's flags may differ")
             )
     gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)
     if gone:
@@ -399,14 +444,17 @@ def final_step(folder):
     return step if type(step) is int and step >= 0 else None  # 1e400 (inf), "3", true: not a step
 
 
-def check_later_results(folder, step, num_steps):
+def check_later_results(folder, step, num_steps, branch=False):
     """A resume never destroys a later result: its target must lie past the checkpoint, and its run folder must
-    not hold a final model (or a PPO critic) of that target or later, which the resumed run would overwrite."""
+    not hold a final model (or a PPO critic) of that target or later, which the resumed run would overwrite (a
+    branch writes in a new run folder: only the target is checked)."""
     if num_steps <= step:
         raise UsageError(
             f"--resume {folder!r} is at step {step}, and --num-steps {num_steps} ends there or before: "
             f"pass --num-steps above {step} to continue it"
         )
+    if branch:
+        return
     run_dir = os.path.dirname(os.path.abspath(folder))
     for name in ("final", "critic"):
         path = os.path.join(run_dir, name)

@@ -11,18 +11,22 @@ from machinery import distributed as dist
 from machinery.errors import UsageError
 
 
+def is_tensors(values):
+    return all(torch.is_tensor(v) for v in values)
+
+
 def dump_batch(path, tensors, checkpoint=None):
     """One safetensors file of named tensors (the batch dumps read by the verification snippet).
 
-    A value may be a list of micro-batch pieces, concatenated here; None (a tensor the run has not) is left out.
+    A value may be a list of micro-batch pieces, concatenated here; None (a tensor the run has not) is left out, and
+    so is a list of what is not a tensor (an example's text field: common.example_fields).
     A write that fails (a full disk) is one line naming the last good checkpoint (in folder `checkpoint`).
     """
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tensors = {
-        k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in tensors.items() if v is not None
-    }
+    kept = {k: v for k, v in tensors.items() if v is not None and not (isinstance(v, list) and not is_tensors(v))}
+    tensors = {k: torch.cat(v) if isinstance(v, list) else torch.as_tensor(v) for k, v in kept.items()}
     # A copy of each: safetensors refuses tensors that share memory (PPO's ref_logp is old_logp without a reference).
     try:
         save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}, path)

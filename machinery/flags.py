@@ -24,13 +24,15 @@ class RunArgs:
     """the chat template's system prompt ("" for an empty one); by default the template's own, if it has one"""
     reward_model: Optional[str] = None
     """hub id or local folder of a sequence-classification reward model, instead of the task's reward"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """precision of the forward passes under autocast; weights stay float32 (auto: bfloat16 on a GPU or CPU that
-    computes it natively, else float32; printed at start with the reason, see precision.py)"""
+    computes it natively, else float32; printed at start with the reason, see machinery/precision.py); float16 is
+    not offered: it would need loss scaling"""
     threads: str = "auto"
     """threads of torch's CPU operations: auto (torch's default, at most the cores other processes leave idle,
     checked at start, after each step and before each forward pass, and at most the cores over torchrun's
-    processes; an OMP_NUM_THREADS of yours wins) or a number; printed at start with the reason, see threads.py"""
+    processes; an OMP_NUM_THREADS of yours wins) or a number; printed at start with the reason, see
+    machinery/threads.py"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (switched off during generation)"""
     deterministic: bool = False

@@ -262,6 +262,17 @@ def merged_state_dict(model):
     return state_dict
 
 
+def save_final(policy, tokenizer, run_dir, args):
+    """The run's final policy: run_dir/final as checkpoints.save_model writes it (with LoRA: its adapters), and with
+    --lora-merged run_dir/final-merged (save_merged). Returns the final folder."""
+    from machinery import checkpoints
+
+    final_dir = os.path.join(run_dir, "final")
+    checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
+    save_merged(policy, tokenizer, final_dir + "-merged", args)
+    return final_dir
+
+
 def save_merged(policy, tokenizer, folder, args):
     """With --lora-merged: the policy merged into its base as a plain transformers model in `folder`."""
     if not args.lora_merged:

@@ -232,6 +232,11 @@ def load_causal_lm(name, device, dtype=torch.float32):
     return model
 
 
+def position_ids_from_mask(attention_mask):
+    """Positions counted over real tokens only, so left padding does not shift them: [0 0 0 1 2 ...]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def contiguous_input(module, args):
     """A forward pre-hook: the module's first input made contiguous (values unchanged)."""
     return (args[0].contiguous(), *args[1:])

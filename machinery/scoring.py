@@ -1,6 +1,7 @@
 """The task's rewards on the completion's tokens: an outcome score at the last real token, a dense reward on the
 tokens that earned it, checked to be causal. What grpo.py and ppo.py call between sampling and the advantage
-(common.rollout calls score_tokens); the reward functions themselves are in rewards.py and tasks.py.
+(common.rollout calls score_tokens); the reward functions themselves are in tasks/rewards.py and
+tasks/__init__.py.
 """
 
 import os

@@ -16,8 +16,8 @@ reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a de
                           examples of its EXAMPLES list, or of a JSONL file: python:FILE.py:FUNC@DATA.jsonl
 
 copy and arithmetic use only the characters of models.TINY_CHARS, so the built-in tiny model can read them;
-the others are meant for hub models. The reward functions are in rewards.py; reading and checking your own
-files is in user_tasks.py; the order prompts are drawn in is common.PromptSampler's.
+the others are meant for hub models. The reward functions are in tasks/rewards.py; reading and checking your
+own files is in tasks/user.py; the order prompts are drawn in is common.PromptSampler's.
 """
 
 import inspect
@@ -325,7 +325,7 @@ def gsm8k_task(format_bonus=False, load_split=load_gsm8k_split):
 
 
 # ---------------------------------------------------------------------------------------------------
-# jsonl:PATH and python:FILE.py:FUNCTION: your own data, your own reward function (read in user_tasks.py).
+# jsonl:PATH and python:FILE.py:FUNCTION: your own data, your own reward function (read in tasks/user.py).
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -9,8 +9,9 @@
                  "chosen" and "rejected" are whole conversations whose shared first turns are the prompt (TRL's
                  implicit prompt). 10% of the prompts are held out, as tasks.split_examples does.
 
-A pair is {"prompt", "chosen", "rejected"} (strings, or lists of messages); a synthetic one also keeps its gold
-rewards. models.reward_texts renders a pair's two halves as the reward model reads them.
+A pair is {"prompt", "chosen", "rejected"} (strings, or lists of messages) and the other fields of its line (a
+`margin`: numbers as int or float); a synthetic one also keeps its gold rewards. models.reward_texts renders a
+pair's two halves as the reward model reads them.
 """
 
 import json
@@ -20,7 +21,7 @@ import random
 from machinery.errors import UsageError, shorten
 from tasks import copy_task, split_examples
 from tasks.rewards import graded_copy_reward
-from tasks.user import read_jsonl
+from tasks.user import other_fields, read_jsonl
 
 PAIR_FORM = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
 
@@ -105,7 +106,8 @@ def check_pair(row, where):
             raise UsageError(f'{where}: "{key}" is empty: a pair compares two written completions')
     if chosen == rejected:
         raise UsageError(f'{where}: "chosen" equals "rejected" ({shorten(texts[0])}): a pair needs two different ones')
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "where": where}
+    kept = other_fields(row, ("prompt", "chosen", "rejected"))  # a variant's `margin`, as int or float
+    return {**kept, "prompt": prompt, "chosen": chosen, "rejected": rejected, "where": where}
 
 
 def load_pairs(name, sample, n_pairs, beta, seed):

@@ -1,6 +1,6 @@
 """The built-in reward functions: reward(prompt, completion, answer) -> float in [0, 1] (copy_dense_reward:
 a dense reward, spans that sum to the outcome), each a small pure function with its rule in its docstring.
-tasks.py pairs each with its prompts.
+tasks/__init__.py pairs each with its prompts.
 
 Model text is only ever parsed, never executed: numbers by a regular expression, countdown equations by `ast`.
 """

@@ -1,6 +1,6 @@
 """Your own files, read and checked: JSONL examples (jsonl:PATH) and Python reward functions
 (python:FILE.py:FUNCTION[@DATA.jsonl]). Every problem found is a UsageError naming the file, the line or
-the function, and what to write instead. tasks.py turns what these return into tasks.
+the function, and what to write instead. tasks/__init__.py turns what these return into tasks.
 """
 
 import contextlib
@@ -51,11 +51,30 @@ def check_text(text, key, where):
         ) from None
 
 
+def plain_numbers(value):
+    """A JSON value with its numbers as Python's own: an integer as int, any other number as float (read_jsonl
+    reads them as Decimal, exactly, for the answer's digits); lists and objects converted throughout."""
+    if isinstance(value, Decimal):
+        return int(value) if value.as_tuple().exponent == 0 else float(value)  # 4 -> 4; 4.0, 1e3 -> 4.0, 1000.0
+    if isinstance(value, list):
+        return [plain_numbers(item) for item in value]
+    if isinstance(value, dict):
+        return {key: plain_numbers(item) for key, item in value.items()}
+    return value
+
+
+def other_fields(row, known):
+    """The fields of a JSONL row besides `known`, kept for a variant of the algorithm to read (a `margin`, a
+    `difficulty`): they reach the batch the loss receives (common.rollout) and the checkpoint's fingerprint of the
+    data. Their numbers as int or float (plain_numbers)."""
+    return {key: plain_numbers(value) for key, value in row.items() if key not in known}
+
+
 def check_example(row, where):
-    """`row` as {"prompt": str, "answer": str}, or a UsageError saying what is wrong at `where`.
+    """`row` as {"prompt": str, "answer": str, ...its other fields}, or a UsageError saying what is wrong at `where`.
 
     A number as answer is accepted and turned into its plain decimal text (number_text):
-    {"prompt": "2+2=", "answer": 4} gives the answer "4".
+    {"prompt": "2+2=", "answer": 4} gives the answer "4". Other fields are kept (other_fields).
     """
     if not isinstance(row, dict):
         raise UsageError(f'{where}: expected an object like {{"prompt": "...", "answer": "..."}}, not {shorten(row)}')
@@ -69,7 +88,7 @@ def check_example(row, where):
         answer = number_text(answer, where)
     check_text(prompt, "prompt", where)
     check_text(answer, "answer", where)
-    return {"prompt": prompt, "answer": answer}
+    return {**other_fields(row, ("prompt", "answer")), "prompt": prompt, "answer": answer}
 
 
 def refuse_constant(name):

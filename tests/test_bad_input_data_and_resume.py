@@ -380,7 +380,7 @@ def test_every_damage_is_one_line_naming_it(copy, damage, monkeypatch):
         models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint")
     )
     with pytest.raises(UsageError, match=message) as error:
-        grpo.main(quick_args(args.output_dir, num_steps=2, resume=folder))
+        grpo.main(quick_args(os.path.dirname(os.path.dirname(folder)), num_steps=2, resume=folder))  # in place
     assert "\n" not in str(error.value)
 
 

@@ -169,6 +169,11 @@ def three_steps(tmp_path_factory):
     return run
 
 
+def in_place(run_dir):
+    """The folder small_args makes its runs/ in, so that a --resume of `run_dir` continues there (not a branch)."""
+    return os.path.dirname(os.path.dirname(run_dir))
+
+
 def test_principle5_a_resume_never_overwrites_a_later_final_model(three_steps):
     checkpoint, final = os.path.join(three_steps, "checkpoint"), os.path.join(three_steps, "final")
     before = checkpoints.file_manifest(final)
@@ -179,7 +184,7 @@ def test_principle5_a_resume_never_overwrites_a_later_final_model(three_steps):
         (3, r"final holds the model of step 3, which resuming to --num-steps 3 would overwrite"),
     ]:
         with pytest.raises(UsageError, match=expected):
-            grpo.main(small_args(grpo, three_steps, num_steps=steps, save_every=2, resume=checkpoint))
+            grpo.main(small_args(grpo, in_place(three_steps), num_steps=steps, save_every=2, resume=checkpoint))
     assert checkpoints.file_manifest(final) == before
 
 
@@ -209,7 +214,9 @@ def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, t
         match=r"was written before --scale-rewards existed, so it ran as with "
         r"--scale-rewards batch, not group: drop the flag, or start a new run",
     ):
-        grpo.main(small_args(grpo, tmp_path, num_steps=3, resume=str(folder), scale_rewards="group"))
+        grpo.main(
+            small_args(grpo, tmp_path, num_steps=3, resume=str(folder), scale_rewards="group", output_dir=str(tmp_path))
+        )
     grpo.main(small_args(grpo, tmp_path, num_steps=3, save_every=2, resume=str(folder), output_dir=str(tmp_path)))
     assert checkpoints.final_step(str(tmp_path / "run" / "final")) == 3
 
@@ -322,7 +329,9 @@ def test_principle8_two_resumes_of_one_checkpoint_at_once(three_steps, monkeypat
     with open(os.path.join(three_steps, ".lock"), "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(UsageError, match=r"the run folder .* is in use by another run \(its \.lock is held\)"):
-            grpo.main(small_args(grpo, three_steps, num_steps=5, resume=os.path.join(three_steps, "checkpoint")))
+            grpo.main(
+                small_args(grpo, in_place(three_steps), num_steps=5, resume=os.path.join(three_steps, "checkpoint"))
+            )
     checkpoints.lock_run_folder(three_steps)  # free again once the other run ends
     checkpoints.release_locks()
     assert json.load(open(os.path.join(three_steps, "final", checkpoints.FINAL_STEP))) == {"step": 3}

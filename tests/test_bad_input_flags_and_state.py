@@ -469,12 +469,15 @@ def test_principle6_dump_dir_of_another_run_or_a_file_is_refused(tmp_path):
         dumps.start_dumps(grpo.Args(dump_dir=str(tmp_path / "a-file")), "grpo", "/runs/b")
 
 
-def test_principle6_resume_with_another_output_dir_is_refused(tmp_path):
+def test_principle6_resume_with_another_output_dir_branches_into_a_new_folder(tmp_path):
+    """--resume with the checkpoint's own --output-dir continues in its run folder; with another, a branch: a new run
+    folder there (tests/test_branch.py runs one), the checkpoint's only read."""
     checkpoint = tmp_path / "runs" / "copy__grpo__1__1" / "checkpoint"
+    checkpoint.mkdir(parents=True)
     same = grpo.Args(resume=str(checkpoint), output_dir=str(tmp_path / "runs"))
     assert bookkeeping.make_run_dir(same) == str(checkpoint.parent)
-    with pytest.raises(UsageError, match=r"--resume continues in the checkpoint's run folder .*: drop --output-dir"):
-        bookkeeping.make_run_dir(grpo.Args(resume=str(checkpoint), output_dir=str(tmp_path / "elsewhere")))
+    branch = bookkeeping.make_run_dir(grpo.Args(resume=str(checkpoint), output_dir=str(tmp_path / "elsewhere")))
+    assert os.path.dirname(branch) == str(tmp_path / "elsewhere") and os.listdir(checkpoint.parent) == ["checkpoint"]
 
 
 def test_principle6_a_refused_start_leaves_no_empty_folder(tmp_path, monkeypatch):

@@ -1,7 +1,6 @@
 """grpo.py's rollout as a unit: rounds joined with their padding, and DAPO's dynamic sampling."""
 
 import random
-import types
 
 import pytest
 import torch
@@ -46,9 +45,7 @@ def run_dynamic_sampling(rounds, prompts_per_step=2, group_size=2, max_rounds=3)
         drawn.append(len(drawn))
         return fake_round(rounds[len(drawn) - 1], 2, 2 + len(drawn), tag=len(drawn))
 
-    args = types.SimpleNamespace(
-        prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds
-    )
+    args = grpo.Args(prompts_per_step=prompts_per_step, group_size=group_size, max_sampling_rounds=max_rounds)
     batch, rounds = grpo.dynamic_sampling(sample, args)
     assert rounds == len(drawn)
     return batch, rounds

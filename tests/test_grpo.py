@@ -2,11 +2,13 @@
 
 import math
 import statistics
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import common
 import grpo
 from machinery import models
 
@@ -151,11 +153,10 @@ def test_the_bias_corrected_kl_gradient_is_unbiased_with_token_ratios_only(impor
     E_old[grad of grpo_loss's k3 * ratio] is grad KL(policy || ref) with one ratio per token; with GSPO's sequence
     ratio on every token the score-function part of it is divided by the length, so it is not."""
     import itertools
-    import types
 
     theta = torch.tensor([[0.3, -1.0, 0.5], [1.2, 0.0, -0.4]], requires_grad=True)  # [T, V] logits
     ref = torch.log_softmax(torch.tensor([[0.0, 0.5, -0.5], [-1.0, 0.2, 0.9]]), -1)
-    args = types.SimpleNamespace(
+    args = grpo.Args(  # the real flags, their defaults but for these: a new field of a fork is there too
         importance_level=importance_level,
         bias_corrected_kl=True,
         beta=1.0,
@@ -178,3 +179,52 @@ def test_the_bias_corrected_kl_gradient_is_unbiased_with_token_ratios_only(impor
         torch.testing.assert_close(grad, kl_grad)
     else:
         assert (grad - kl_grad).abs().max() > 0.01
+
+
+def clip_case():
+    """A micro-batch whose ratios leave the clip range both ways: row 0 (A > 0) at 1.5, 0.5; row 1 (A < 0) the
+    same, the last token of each padding."""
+    logratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]]).log()
+    new_logp = torch.full((2, 3), -1.0)
+    return new_logp + logratio, new_logp, torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 0], [1, 1, 0]])
+
+
+def test_clipfrac_is_what_the_loss_says_it_clipped():
+    """losses/clipfrac reads the loss's own `clipped` term: grpo_loss's is the PPO clip (row 0's 1.5 and row 1's
+    0.5: 2 of 4 real tokens); a variant that keeps every gradient (CISPO) and says so logs 0, one without the term
+    logs no clipfrac at all."""
+    new_logp, old_logp, advantages, mask = clip_case()
+    args = grpo.Args(beta=0.0)
+    _, terms = grpo.grpo_loss(new_logp, old_logp, None, advantages, mask, 2, 4, args)
+    assert terms["clipped"].tolist() == [[True, False, False], [False, True, False]]
+    update = dict(terms, entropy=torch.zeros(2, 3))
+    assert common.logged_losses([[update]])["clipfrac"] == pytest.approx(0.5)
+    kept = dict(update, clipped=torch.zeros(2, 3, dtype=torch.bool))  # what a CISPO loss returns: nothing cut off
+    assert common.logged_losses([[kept]])["clipfrac"] == 0.0
+    assert "clipfrac" not in common.logged_losses([[{k: v for k, v in update.items() if k != "clipped"}]])
+
+
+def test_verifys_notes_read_what_the_loss_clipped():
+    """verify's "exercised" notes on a loss row: a token the loss clipped (its ratio below or above 1), and a ratio
+    out of the clip range the loss left alone, from the loss's `clipped` term, not a second PPO-clip test."""
+    from verifier.report import Report, loss_conditions
+
+    new_logp, old_logp, advantages, mask = clip_case()
+    batch = dict(completion_mask=mask)
+    args = dict(clip_low=0.2, clip_high=0.2)
+
+    def conditions(clipped):
+        terms = dict(logratio=new_logp - old_logp, advantages=advantages[:, None], clipped=clipped)
+        report = Report({})
+        loss_conditions(report, ["loss"], types.SimpleNamespace(_loss=lambda batch, args: (None, terms)), batch, args)
+        return report.rows["loss"]["conditions"]
+
+    ppo_clip = conditions(torch.tensor([[True, False, False], [False, True, False]]))
+    assert (
+        ppo_clip["a token the loss clipped, its ratio below 1"]
+        and ppo_clip["a token the loss clipped, its ratio above 1"]
+    )
+    assert ppo_clip["a ratio out of the clip range that the loss did not clip"]  # row 0's 0.5 with A > 0
+    cispo = conditions(torch.zeros(2, 3, dtype=torch.bool))
+    assert not cispo["a token the loss clipped, its ratio below 1"]
+    assert not cispo["a token the loss clipped, its ratio above 1"]

@@ -5,6 +5,11 @@ itself back through a circle. Imports are read with `ast`, inside functions too.
 import ast
 import glob
 import os
+import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("machinery", "tasks", "verifier")
@@ -112,3 +117,52 @@ def test_the_import_reader_sees_imports_inside_functions_and_modules_named_by_fr
     monkeypatch.setitem(globals(), "ROOT", str(tmp_path))
     assert imported_files("pkg/a.py") == {"pkg/b.py"}
     assert imported_files("pkg/b.py") == {"pkg/a.py"}
+
+
+# A file a reader is sent to by name: `--help` of the four entry points and the docstrings at the top of the
+# modules. Placeholders for the reader's own files are written in capitals (FILE.py) or listed here.
+THE_READERS_OWN = {"my_adapter.py"}  # verify.py's example of an adapter you write
+HELPED = ("grpo.py", "ppo.py", "reward_model.py", "verify.py")
+# verifier/adapters/ name the peers' own files (verl/trainer/ppo/core_algos.py), in their repositories.
+DOCUMENTED = sorted(
+    path
+    for pattern in ("*.py", "machinery/*.py", "tasks/*.py", "verifier/*.py", "benchmarks/*.py")
+    for path in glob.glob(pattern, root_dir=ROOT)
+)
+
+
+def named_files(text):
+    """The .py paths a text names: `tasks/__init__.py`, `grpo.py`; not the reader's own (FILE.py, my_adapter.py)."""
+    names = set(re.findall(r"(?<![\w/.-])(\w[\w/.-]*\.py)\b", text))
+    return {name for name in names if name not in THE_READERS_OWN and not name.rsplit("/", 1)[-1][:-3].isupper()}
+
+
+def missing_files(names, folder=""):
+    """The names that are no file at that path, from the repository's root or (a module naming its neighbour) from
+    `folder`."""
+    return sorted(n for n in names if not any(os.path.isfile(os.path.join(ROOT, f, n)) for f in ("", folder)))
+
+
+def test_named_files_reads_paths_and_leaves_placeholders():
+    text = "see tasks.py or machinery/models.py, python:FILE.py:FUNC, --against my_adapter.py, a .py file"
+    assert named_files(text) == {"tasks.py", "machinery/models.py"}
+    assert missing_files(named_files(text)) == ["tasks.py"]
+
+
+@pytest.mark.parametrize("script", HELPED)
+def test_every_file_the_help_names_exists(script):
+    """`--help`, unwrapped (a wide terminal): every file it sends the reader to is at that path."""
+    env = dict(os.environ, COLUMNS="10000")
+    text = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    ).stdout
+    assert script in text, text[-2000:]  # the help was printed
+    assert not missing_files(named_files(text)), f"{script} --help names {missing_files(named_files(text))}"
+
+
+def test_every_file_a_module_docstring_names_exists():
+    missing = {}
+    for path in DOCUMENTED:
+        docstring = ast.get_docstring(ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())) or ""
+        missing[path] = missing_files(named_files(docstring), os.path.dirname(path))
+    assert not {path: names for path, names in missing.items() if names}

@@ -1,7 +1,5 @@
 """ppo.py's formulas against hand-worked values and separately written loops."""
 
-import types
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -246,7 +244,7 @@ def test_the_entropy_bonus_is_in_the_loss_and_its_gradient():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
     new_logp, entropy = torch.randn(n, T, generator=g).requires_grad_(), torch.rand(n, T, generator=g).requires_grad_()
     rest = [torch.randn(n, T, generator=g) for _ in range(5)]  # old_logp, advantages, new_values, old_values, returns
-    args = types.SimpleNamespace(clip_low=0.2, clip_high=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.0)
+    args = ppo.Args(clip_low=0.2, clip_high=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.0)  # the real flags
     loss0, terms0 = ppo.ppo_loss(new_logp, rest[0], rest[1], rest[2], rest[3], rest[4], mask, 10, args, entropy)
     args.ent_coef = 0.3
     loss, terms = ppo.ppo_loss(new_logp, rest[0], rest[1], rest[2], rest[3], rest[4], mask, 10, args, entropy)

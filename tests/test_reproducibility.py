@@ -161,8 +161,11 @@ def test_resume_with_other_args_names_the_flag(grpo_checkpoint, tmp_path, monkey
     monkeypatch.setattr(
         models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model before checking the checkpoint")
     )
+    in_place = os.path.dirname(
+        os.path.dirname(grpo_checkpoint)
+    )  # the checkpoint's own --output-dir (tmp_path: a branch)
     with pytest.raises(errors.UsageError, match=f"was run with {flag} "):
-        grpo.main(quick_args("grpo", tmp_path, resume=grpo_checkpoint, **{field: value}))
+        grpo.main(quick_args("grpo", in_place, resume=grpo_checkpoint, **{field: value}))
 
 
 def test_resume_may_change_what_does_not_change_the_trajectory(grpo_checkpoint, tmp_path):

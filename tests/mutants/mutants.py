@@ -92,8 +92,8 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="the loss is normalised by the micro-batch's rows and tokens, not the whole batch's",
-        find='batch["num_seqs"],\n        batch["num_tokens"],\n        args,\n    )',
-        replace='len(batch["completion_mask"]),\n        int(batch["completion_mask"].sum()),\n        args,\n    )',
+        find='mask, batch["num_seqs"], batch["num_tokens"], args)',
+        replace="mask, len(mask), int(mask.sum()), args)",
     ),
     dict(
         name="grpo-zero-grad-once-per-step",
@@ -101,14 +101,16 @@ MUTANTS = [
         tests=REF_GRPO,
         what="gradients zeroed once per step: iteration 2 adds to iteration 1's gradient",
         find=(
-            "            for mb_inds in minibatches:\n                mb_batch = batch  # num_seqs, "
-            "num_tokens: the whole batch's, under torchrun every process's\n"
+            "            for mb_inds in minibatches:\n"
+            "                mb_batch = dict(b_rollout, num_seqs=len(all_scores), num_tokens=num_tokens)  "
+            "# under torchrun: all's\n"
             "                optimizer.zero_grad(set_to_none=True)\n"
         ),
         replace=(
-            "            optimizer.zero_grad(set_to_none=True)\n            for mb_inds in minibatches:\n"
-            "                mb_batch = batch  # num_seqs, num_tokens: the whole batch's, "
-            "under torchrun every process's\n"
+            "            optimizer.zero_grad(set_to_none=True)\n"
+            "            for mb_inds in minibatches:\n"
+            "                mb_batch = dict(b_rollout, num_seqs=len(all_scores), num_tokens=num_tokens)  "
+            "# under torchrun: all's\n"
         ),
     ),
     dict(
@@ -124,8 +126,8 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="the reference log-probs come from the current policy: the KL term is always 0",
-        find="b_ref_logp = forward(logprobs, ref_model) if ref_model else None",
-        replace="b_ref_logp = forward(logprobs, policy) if ref_model else None",
+        find="b_ref_logp = common.rollout_logprobs(ref_model, inputs, args) if ref_model else None",
+        replace="b_ref_logp = common.rollout_logprobs(policy, inputs, args) if ref_model else None",
     ),
     dict(
         name="grpo-stats-summed-over-iterations",
@@ -140,15 +142,15 @@ MUTANTS = [
         file="grpo.py",
         tests=REF_GRPO,
         what="charts/completion_length counts the prompt's tokens too (the attention mask, not the completion mask)",
-        find="scores, lengths = all_rewards, dist.gather(b_mask.sum(1).float())",
-        replace="scores, lengths = all_rewards, dist.gather(b_attention_mask.sum(1).float())",
+        find="lengths = dist.gather(b_mask.sum(1).float())",
+        replace="lengths = dist.gather(inputs[1].sum(1).float())",
     ),
     dict(
         name="grpo-tokens-completion-only",
         file="grpo.py",
         tests=REF_GRPO,
         what="perf/tokens_per_second counts completion tokens only",
-        find='history["tokens"] += dist.sum(int(b_attention_mask.sum()))',
+        find='history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))',
         replace='history["tokens"] += dist.sum(int(b_mask.sum()))',
     ),
     # ---------------------------------------------------------------------------------------- ppo.py
@@ -487,17 +489,17 @@ MUTANTS = [
     ),
     dict(
         name="ppo-one-shuffle-per-step",
-        file="ppo.py",
+        file="common.py",
         tests=GRADIENTS_PPO,
         what="one permutation per step, reused by every epoch: the epochs draw the same minibatches",
         find=(
-            "                for epoch in range(args.update_epochs)\n                for mb in torch.randperm(N, "
-            "device=device).split(N // args.num_minibatches)\n"
+            "    for _ in range(epochs):\n"
+            "        yield from torch.randperm(n, device=device).split(n // num_minibatches)\n"
         ),
         replace=(
-            "                for perm in [torch.randperm(N, device=device)]\n"
-            "                for epoch in range(args.update_epochs)\n"
-            "                for mb in perm.split(N // args.num_minibatches)\n"
+            "    perm = torch.randperm(n, device=device)\n"
+            "    for _ in range(epochs):\n"
+            "        yield from perm.split(n // num_minibatches)\n"
         ),
     ),
     dict(
@@ -505,8 +507,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --update-epochs (equal defaults hide it)",
-        find=".split(N // args.num_minibatches)",
-        replace=".split(N // args.update_epochs)",
+        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="common.shuffled_minibatches(N, args.update_epochs, args.update_epochs, device)",
     ),
     dict(
         name="ppo-kl-coef-not-restored",
@@ -626,8 +628,8 @@ MUTANTS = [
         file="grpo.py",
         tests=DYNAMIC,
         what="dynamic sampling judges groups of prompts_per_step rows, not group_size, as informative",
-        find='informative = lambda: batch["rewards"].view(-1, args.group_size).std(1) > 0',
-        replace='informative = lambda: batch["rewards"].view(-1, args.prompts_per_step).std(1) > 0',
+        find='informative = informative_groups(batch["rewards"], args.group_size)  # [groups]',
+        replace='informative = informative_groups(batch["rewards"], args.prompts_per_step)  # [groups]',
     ),
     dict(
         name="grpo-dynamic-count-from-group-size",
@@ -674,8 +676,8 @@ MUTANTS = [
         file="grpo.py",
         tests=GROUP_LOGS,
         what="charts/informative_groups counts groups of prompts_per_step rows",
-        find="groups = all_rewards.view(-1, args.group_size)  # [prompts, G]",
-        replace="groups = all_rewards.view(-1, args.prompts_per_step)  # [prompts, G]",
+        find="groups = all_scores.view(-1, args.group_size)  # [prompts, G]",
+        replace="groups = all_scores.view(-1, args.prompts_per_step)  # [prompts, G]",
     ),
     dict(
         name="grpo-samples-printed-per-prompts",
@@ -706,8 +708,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --samples-per-prompt instead of --num-minibatches",
-        find=".split(N // args.num_minibatches)",
-        replace=".split(N // args.samples_per_prompt)",
+        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="common.shuffled_minibatches(N, args.update_epochs, args.samples_per_prompt, device)",
     ),
     dict(
         name="ppo-samples-printed-per-prompts",
@@ -953,5 +955,53 @@ MUTANTS = [
         what="the AReaL adapter forgets the engine's loss weight (a micro-batch's tokens over its minibatch's)",
         find="total = loss * share",
         replace="total = loss",
+    ),
+    dict(
+        name="help-names-a-file-elsewhere",
+        file="grpo.py",
+        tests=["tests/test_layout.py", "-k", "help"],
+        what="--help sends the reader to tasks.py, which is tasks/__init__.py",
+        find='(see tasks/__init__.py)"""',
+        replace='(see tasks.py)"""',
+    ),
+    dict(
+        name="clipfrac-from-a-second-ppo-clip-test",
+        file="common.py",
+        tests=["tests/test_grpo.py", "-k", "clipfrac"],
+        what="losses/clipfrac recomputes the PPO clip from clip_low instead of reading what the loss clipped",
+        find='means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)',
+        replace='means["clipfrac"] = clip_fraction(terms["logratio"], terms["advantages"], 0.2, 0.2, mask)',
+    ),
+    dict(
+        name="fingerprint-of-four-keys-only",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_data_fields.py", "-k", "fingerprint"],
+        what="the data's fingerprint leaves out a line's other fields: a resume after every margin was rewritten runs",
+        find='other = sorted([key, value] for key, value in example.items() if key not in keys and key != "where")',
+        replace="other = []",
+    ),
+    dict(
+        name="example-fields-dropped",
+        file="common.py",
+        tests=["tests/test_data_fields.py", "-k", "reaches"],
+        what="the examples' other fields never reach the loss's batch",
+        find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
+        replace="return {key: value for key, value in batch.items() if key in inputs}",
+    ),
+    dict(
+        name="branch-resumes-in-the-source-folder",
+        file="machinery/bookkeeping.py",
+        tests=["tests/test_branch.py", "-k", "leaves"],
+        what="--resume with another --output-dir continues in the checkpoint's run folder, writing in it",
+        find="if args.resume and not checkpoints.branches(args):",
+        replace="if args.resume:",
+    ),
+    dict(
+        name="branch-changes-a-fixed-flag",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_branch.py", "-k", "keeps"],
+        what="a branch lets --learning-rate differ, which the restored optimizer state silently overrides",
+        find="if key in RESUMABLE_CHANGES or (branch and key not in BRANCH_FIXED):",
+        replace="if key in RESUMABLE_CHANGES or branch:",
     ),
 ]
