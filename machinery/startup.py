@@ -21,6 +21,8 @@ MODEL_FLAGS = ("model", "critic_model", "reward_model")  # the Args fields that 
 def start(script, args, hub_defaults, flags_given, check_args, load_task):
     """Apply the hub defaults, check everything, then make the run folder. Returns the run: its task, device,
     dtype, checkpoint state (None unless --resume), folder and start time."""
+    threads.check_environment()  # OMP_NUM_THREADS=100000 would start that many threads at the first parallel op
+    dist.check_environment()  # WORLD_SIZE, RANK and the like, read by the checks below
     preset = flags.apply_hub_defaults(args, hub_defaults, flags_given)
     check_args(args)
     check_model_names(args)
@@ -63,7 +65,7 @@ def check_model_names(args):
         flag = "--critic-model" if args.critic_model else "--model"
         lora.check_layers(args, backbone, args.critic_model or args.model, flag, critic=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
-    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)), critic_config)
+    model_checks.check_step_fits(args, config, device, dist.world_size(), critic_config)
 
 
 def check_same_vocabulary(model, critic):
