@@ -392,7 +392,7 @@ def main(args, flags_given=()):
     checkpoints.save_model(policy, tokenizer, final_dir, step=args.num_steps)
     lora.save_merged(policy, tokenizer, final_dir + "-merged", args)  # with --lora-merged
     writer.close()
-    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
+    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir, args.reward_model)
     return history["score"]
 
 
