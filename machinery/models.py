@@ -444,8 +444,12 @@ class RewardModel:
         self.name, self.batch_size = f"reward model {name}", batch_size
         self.tokenizer = load_tokenizer(name)
         self.tokenizer.padding_side = "right"
-        missing = []
+        from transformers.utils import logging
+
+        missing, verbosity = [], logging.get_verbosity()
+        logging.set_verbosity_error()  # transformers' load report: a missing head is refused below, in one line
         self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype, missing).eval()
+        logging.set_verbosity(verbosity)
         model_checks.check_reward_model_config(self.model.config, name, "--reward-model")  # as saved: 1 output
         model_checks.check_trained_head(missing, name, "--reward-model")
         model_checks.check_token_ids(self.model, self.tokenizer, [], f"--reward-model {name}")

@@ -71,7 +71,9 @@ def test_the_loss_equals_trls_reward_trainer(trained, tmp_path):
     model = reward_model.load_reward_model(trained, CPU).eval()
     pairs = tiny_pairs()
     with torch.no_grad():
-        ours = reward_model.bradley_terry_loss(*reward_model.pair_rewards(model, tokenizer, pairs, CPU), len(pairs))
+        ours = reward_model.bradley_terry_loss(
+            *reward_model.pair_rewards(model, reward_model.pair_inputs(tokenizer, pairs, CPU), len(pairs)), len(pairs)
+        )
     ids = lambda key: [tokenizer(p["prompt"] + p[key])["input_ids"] for p in pairs]  # noqa: E731
     rows = [{"chosen_ids": c, "rejected_ids": r} for c, r in zip(ids("chosen"), ids("rejected"))]
     config = trl.RewardConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=None)
@@ -93,7 +95,7 @@ def test_the_score_is_the_scalar_head_at_the_last_real_token(trained):
     model = reward_model.load_reward_model(trained, CPU).eval()
     pairs = tiny_pairs()
     with torch.no_grad():
-        chosen, rejected = reward_model.pair_rewards(model, tokenizer, pairs, CPU)
+        chosen, rejected = reward_model.pair_rewards(model, reward_model.pair_inputs(tokenizer, pairs, CPU), len(pairs))
         for pair, c, r in zip(pairs, chosen.tolist(), rejected.tolist()):
             for completion, score in ((pair["chosen"], c), (pair["rejected"], r)):
                 ids = torch.tensor([tokenizer(pair["prompt"] + completion)["input_ids"]])
@@ -114,7 +116,11 @@ def test_the_saved_model_loads_and_scores_the_same_through_ppos_reward_model(tra
     theirs = scorer.score(prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], [""] * 6)
     with torch.no_grad():
         ours = torch.cat(
-            reward_model.pair_rewards(reward_model.load_reward_model(trained, CPU), scorer.tokenizer, pairs, CPU)
+            reward_model.pair_rewards(
+                reward_model.load_reward_model(trained, CPU),
+                reward_model.pair_inputs(scorer.tokenizer, pairs, CPU),
+                len(pairs),
+            )
         )
     assert ours.tolist() == pytest.approx(theirs, abs=1e-6)
 
@@ -182,7 +188,9 @@ def good_rows(n=20):
 
 
 def test_jsonl_pairs_standard_and_conversational(tmp_path):
-    train, test = preferences.load_pairs(f"jsonl:{write_pairs(tmp_path, good_rows())}", None, 0, 0, 0)
+    args = reward_model.Args(task=f"jsonl:{write_pairs(tmp_path, good_rows())}")
+    task = preferences.load_task(args.task, args)
+    train, test = task.train, task.test
     assert len(train) == 18 and len(test) == 2 and {p["prompt"] for p in train}.isdisjoint(p["prompt"] for p in test)
     user, a, b = ({"role": r, "content": c} for r, c in (("user", "hi"), ("assistant", "hello"), ("assistant", "go")))
     explicit = preferences.check_pair({"prompt": [user], "chosen": [a], "rejected": [b]}, "here")
@@ -198,13 +206,16 @@ def test_jsonl_pairs_standard_and_conversational(tmp_path):
         ({"prompt": "1=", "chosen": "1"}, 'the key "rejected" is missing'),
         ({"chosen": "1", "rejected": "2"}, 'the key "prompt" is missing'),
         ({"prompt": "1=", "chosen": "", "rejected": "2"}, '"chosen" is empty'),
-        ({"prompt": "1=", "chosen": "1", "rejected": "  "}, '"rejected" is empty'),
+        ({"prompt": "1=", "chosen": "1", "rejected": "  "}, '"rejected" holds only whitespace'),
         ({"prompt": "1=", "chosen": 1, "rejected": "2"}, '"chosen" must be a string'),
         (
             {"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
             "no first turn",
         ),
-        ({"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": "2"}, '"chosen" must be a string, or a'),
+        (
+            {"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": "2"},
+            r'"chosen"\[0\]\["content"\] must be a string',
+        ),
     ],
 )
 def test_bad_pairs_are_one_line_errors_naming_the_line(row, message, tmp_path):
@@ -234,7 +245,10 @@ def test_a_reward_model_with_two_outputs_is_refused_by_ppo_and_grpo(tmp_path):
     for module in (ppo, grpo):
         with pytest.raises(UsageError) as error:
             module.main(module.Args(reward_model=folder, num_steps=2, output_dir=str(tmp_path)))
-        assert str(error.value) == f"--reward-model {folder!r} has 2 outputs: a reward model has 1"
+        assert str(error.value) == (
+            f"--reward-model {folder!r} is a classifier with 2 outputs (Qwen2ForSequenceClassification), and a "
+            "reward model has 1: train one with reward_model.py"
+        )
 
 
 def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
