@@ -23,7 +23,7 @@ from machinery import model_checks, models
 from machinery.errors import UsageError, shorten
 from tasks import copy_task, split_examples
 from tasks.rewards import graded_copy_reward
-from tasks.user import check_text, read_jsonl
+from tasks.user import read_jsonl
 
 PAIR_FORM = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
 
@@ -87,7 +87,13 @@ def text(value, key, where):
     """`value`, a string that UTF-8 can write, or a UsageError naming `key` (a lone surrogate is not a character)."""
     if not isinstance(value, str):
         raise UsageError(f"{where}: {key} must be a string, not {shorten(shown(value))}")
-    check_text(value, key, where)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f"{where}: {key} holds {value[e.start : e.end]!r}, half of a surrogate pair, which is not a character: "
+            "remove it or write the whole character"
+        ) from None
     return value
 
 
