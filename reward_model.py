@@ -197,9 +197,7 @@ def main(args, flags_given=()):
         sample = sample_completions(args.model, device, dtype, args.max_new_tokens)
         task.train, task.test = preferences.synthetic_task_pairs(sample, args.num_pairs, args.label_beta, args.seed)
         del sample
-    tokenizer = models.load_tokenizer(args.model)
-    if not args.chat_template:  # saved so: ppo.py's --reward-model then reads the plain texts too
-        tokenizer.chat_template = None
+    tokenizer = preferences.reward_tokenizer(args)  # --no-chat-template: without its template, saved so
     model = load_reward_model(args.model, device)  # float32 master weights, autocast to dtype
     if args.gradient_checkpointing:
         precision.set_activation_checkpointing(model, True)

@@ -197,7 +197,7 @@ def check_run_args(args):
     check_range(args, "> 0", "max_grad_norm")
     check_range(args, ">= 0", "weight_decay", "warmup_steps")
     last_rate = args.learning_rate * min(1.0, args.num_steps / (args.warmup_steps + 1))  # the warmup's, at the end
-    if last_rate < FLOORS["learning_rate"][0]:
+    if args.num_steps >= 1 and last_rate < FLOORS["learning_rate"][0]:  # fewer steps: the script's own line
         raise UsageError(
             f"--warmup-steps {args.warmup_steps} is too long for a run of --num-steps {args.num_steps}: the learning "
             f"rate would reach only {last_rate:.3g} by its last step, below 1e-8, where AdamW moves no weight; "

@@ -174,6 +174,15 @@ def synthetic_task_pairs(sample, n_pairs, beta, seed):
     )
 
 
+def reward_tokenizer(args):
+    """The tokenizer of --model as the reward model reads with it: with --no-chat-template its template dropped (and
+    saved so, so that ppo.py's --reward-model reads the plain texts too)."""
+    tokenizer = models.load_tokenizer(args.model)
+    if not args.chat_template:
+        tokenizer.chat_template = None
+    return tokenizer
+
+
 def load_task(name, args):
     """--task `name` of reward_model.py, checked before any weight loads: synthetic (its pairs are sampled later, by
     synthetic_task_pairs: train and test None here; its prompts checked as the pairs of a file are), or
@@ -181,9 +190,7 @@ def load_task(name, args):
     pair's length against its positions, and the memory a step needs."""
     from transformers import AutoConfig
 
-    tokenizer = models.load_tokenizer(args.model)
-    if not args.chat_template:
-        tokenizer.chat_template = None
+    tokenizer = reward_tokenizer(args)
     config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
     model_checks.check_reward_model_config(config, args.model, "--model")
     if name == "synthetic":
