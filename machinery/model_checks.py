@@ -337,8 +337,8 @@ def check_reward_model_config(config, name, flag):
     if classifier and outputs != 1:
         use = "train one with reward_model.py" if flag == "--reward-model" else "pass a causal LM to start from"
         raise UsageError(
-            f"{flag} {name!r} is a classifier with {outputs} outputs ({', '.join(heads)}), and a reward model has "
-            f"1: {use}"
+            f"{flag} {name!r} is a classifier ({', '.join(heads)}) that has {outputs} outputs: a reward model has 1; "
+            f"{use}"
         )
 
 

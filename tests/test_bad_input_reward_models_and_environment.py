@@ -123,7 +123,7 @@ FLAGS = [
     (["--task", "jsonl:{good}", "--max-new-tokens", "7"], "--max-new-tokens 7 acts only with --task synthetic"),
     (["--reward-model", "tiny"], "--reward-model tiny acts only in grpo.py and ppo.py"),
     (["--lora-rank", "4"], "--lora-rank 4 acts only in grpo.py and ppo.py"),
-    (["--model", "{two}"], "is a classifier with 2 outputs (Qwen2ForSequenceClassification), and a reward model has 1"),
+    (["--model", "{two}"], "is a classifier (Qwen2ForSequenceClassification) that has 2 outputs: a reward model has 1"),
 ]
 
 
@@ -221,7 +221,7 @@ def test_label_beta_of_a_million_is_a_probability_not_an_overflow():
 REWARD_MODELS = [
     ("tiny", [], "--reward-model 'tiny' is a causal LM, not a reward model"),
     ("{run}", [], "is a run folder, not a model: pass "),
-    ("{two}", [], "is a classifier with 2 outputs"),
+    ("{two}", [], "that has 2 outputs: a reward model has 1"),
     ("{no_head}", [], "has no trained 'score.weight' in its weights"),
     ("{short}", [], "has 8 positions, fewer than the longest prompt of task 'copy'"),
     ("{few_ids}", [], "has 25 tokens, but its model embeds only 10"),

@@ -246,8 +246,8 @@ def test_a_reward_model_with_two_outputs_is_refused_by_ppo_and_grpo(tmp_path):
         with pytest.raises(UsageError) as error:
             module.main(module.Args(reward_model=folder, num_steps=2, output_dir=str(tmp_path)))
         assert str(error.value) == (
-            f"--reward-model {folder!r} is a classifier with 2 outputs (Qwen2ForSequenceClassification), and a "
-            "reward model has 1: train one with reward_model.py"
+            f"--reward-model {folder!r} is a classifier (Qwen2ForSequenceClassification) that "
+            "has 2 outputs: a reward model has 1; train one with reward_model.py"
         )
 
 
