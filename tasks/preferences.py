@@ -195,7 +195,13 @@ def load_task(name, args):
     model_checks.check_reward_model_config(config, args.model, "--model")
     if name == "synthetic":
         task = types.SimpleNamespace(name=name, train=None, test=None)
-        prompts = [example["prompt"] for example in copy_task().train]
+        copy = copy_task()
+        prompts = [example["prompt"] for example in copy.train]
+        # The policy samples --max-new-tokens after each prompt, as grpo.py does: refused as grpo.py refuses it.
+        sampled = types.SimpleNamespace(name=copy.name, train=copy.train, test=copy.test, answers="data")
+        models.check_prompt_length(
+            tokenizer, sampled, types.SimpleNamespace(config=config), args.model, args.max_new_tokens, True
+        )
         shortest = shortest_pair(tokenizer, prompts)
     else:
         kind, _, path = name.partition(":")
