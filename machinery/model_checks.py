@@ -327,9 +327,9 @@ def check_reward_model_config(config, name, flag):
     heads = config.architectures or []
     outputs = getattr(config, "num_labels", 1)
     classifier = any(head.endswith("ForSequenceClassification") for head in heads)
-    if flag == "--reward-model" and not classifier:
+    if flag == "--reward-model" and heads and not classifier:  # no architectures saved: its weights tell, at load
         causal = any(head.endswith(("ForCausalLM", "LMHeadModel")) for head in heads)
-        what = "a causal LM" if causal else f"saved as {', '.join(heads) or 'a bare transformer (no head)'}"
+        what = "a causal LM" if causal else f"saved as {', '.join(heads)}"
         raise UsageError(
             f"--reward-model {name!r} is {what}, not a reward model (a sequence classifier with one output): "
             "train one with reward_model.py and pass its RUN/final"
