@@ -127,6 +127,12 @@ def check_pair(row, where):
     for key in needed:
         if key not in row:
             raise UsageError(f'{where}: the key "{key}" is missing; every pair needs "prompt", "chosen" and "rejected"')
+    kinds = ["a list of messages" if isinstance(row[key], list) else "a string" for key in ("chosen", "rejected")]
+    if kinds[0] != kinds[1] and all(isinstance(row[key], (list, str)) for key in ("chosen", "rejected")):
+        raise UsageError(
+            f'{where}: "chosen" is {kinds[0]} and "rejected" {kinds[1]}: write the two completions in one form '
+            f"(two strings, or two lists of messages)"
+        )
     if conversational:
         chosen, rejected = (message_list(row[key], key, where) for key in ("chosen", "rejected"))
         if chosen == rejected:

@@ -142,6 +142,7 @@ def files(tmp_path_factory):
         "surrogate": ['{"prompt": "1=", "chosen": "\\ud800", "rejected": "2"}'],
         "content": [json.dumps({"prompt": [user], "chosen": [dict(reply, content=6)], "rejected": [reply]})],
         "same": [json.dumps({"chosen": [user, reply], "rejected": [user, reply]})],
+        "forms": [json.dumps({"prompt": "1=", "chosen": [reply], "rejected": "6"})],
         "number": ['{"prompt": 5, "chosen": "1", "rejected": "2"}'],
         "long": [json.dumps({"prompt": "1=", "chosen": "1" * 10_000_000, "rejected": "2"})],
     }
@@ -254,6 +255,7 @@ PAIRS = [
     ("surrogate", "line 21: \"chosen\" holds '\\ud800', half of a surrogate pair"),
     ("content", 'line 21: "chosen"[0]["content"] must be a string, not 6'),
     ("same", 'line 21: "chosen" equals "rejected"'),
+    ("forms", 'line 21: "chosen" is a list of messages and "rejected" a string: write the two completions in one'),
     ("number", 'line 21: "prompt" must be a string, not 5'),
     ("long", "line 21: its prompt and chosen completion are 10000002 characters"),
 ]

@@ -213,9 +213,10 @@ def test_jsonl_pairs_standard_and_conversational(tmp_path):
             "no first turn",
         ),
         (
-            {"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": "2"},
+            {"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": [{"role": "assistant", "content": "2"}]},
             r'"chosen"\[0\]\["content"\] must be a string',
         ),
+        ({"prompt": "q", "chosen": [{"role": "assistant", "content": "1"}], "rejected": "2"}, "in one form"),
     ],
 )
 def test_bad_pairs_are_one_line_errors_naming_the_line(row, message, tmp_path):
