@@ -120,12 +120,17 @@ def compute_loss(outputs, batch, args):
     return loss, {"margin": (chosen - rejected).detach(), "loss": loss.detach()}
 
 
-def pair_rewards(model, enc, n):
+def pair_scores(model, enc, n):
     """(r(x, y_chosen), r(x, y_rejected)), [n] each: the scalar head's output at each text's last token that is not
     the pad id, which transformers' *ForSequenceClassification reads (its `score` applied to the last hidden state),
     on `enc`, the 2n texts pair_inputs makes: what ppo.py's and grpo.py's --reward-model (models.RewardModel) score."""
     rewards = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, 0].float()  # [2n]
     return rewards[:n], rewards[n:]
+
+
+def pair_rewards(model, tokenizer, pairs, device):
+    """pair_scores of `pairs`, tokenised by pair_inputs."""
+    return pair_scores(model, pair_inputs(tokenizer, pairs, device), len(pairs))
 
 
 def pair_inputs(tokenizer, pairs, device):
@@ -158,9 +163,8 @@ def evaluate(model, tokenizer, pairs, micro_batch_size, device, dtype):
     model.eval()
     chosen, rejected = [], []
     for i in range(0, len(pairs), micro_batch_size):
-        micro = pairs[i : i + micro_batch_size]
         with common.autocast(device, dtype):
-            scores = pair_rewards(model, pair_inputs(tokenizer, micro, device), len(micro))
+            scores = pair_rewards(model, tokenizer, pairs[i : i + micro_batch_size], device)
         chosen.append(scores[0])
         rejected.append(scores[1])
     chosen, rejected = torch.cat(chosen), torch.cat(rejected)
@@ -232,7 +236,7 @@ def main(args, flags_given=()):
             updates = []  # each micro-batch's terms: checked and logged below
             for micro, enc in zip(micro_pairs, micro_inputs):
                 with common.autocast(device, dtype):
-                    chosen, rejected = pair_rewards(model, enc, len(micro))
+                    chosen, rejected = pair_scores(model, enc, len(micro))
                 # ALGO LOGIC: the Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected), its share of the batch mean.
                 loss, terms = compute_loss(dict(chosen=chosen, rejected=rejected), batch, args)
                 loss.backward()

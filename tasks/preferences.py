@@ -180,6 +180,19 @@ def synthetic_task_pairs(sample, n_pairs, beta, seed):
     )
 
 
+def load_pairs(name, sample, n_pairs, beta, seed):
+    """(train, held out) pairs of --task `name`, as written (load_task checks them against the model too);
+    `sample(prompts)` draws the synthetic task's completions."""
+    if name == "synthetic":
+        return synthetic_task_pairs(sample, n_pairs, beta, seed)
+    kind, _, path = name.partition(":")
+    if kind != "jsonl" or not path:
+        raise UsageError(f"unknown task {name!r} for a reward model: pass --task synthetic or jsonl:PATH of pairs")
+    pairs = read_jsonl(path, check_pair, PAIR_FORM)
+    keyed = [dict(pair, prompt=json.dumps(pair["prompt"]), pair=pair) for pair in pairs]  # a prompt of messages too
+    return tuple([row["pair"] for row in rows] for rows in split_examples(name, keyed))
+
+
 def reward_tokenizer(args):
     """The tokenizer of --model as the reward model reads with it: with --no-chat-template its template dropped (and
     saved so, so that ppo.py's --reward-model reads the plain texts too)."""
@@ -210,13 +223,8 @@ def load_task(name, args):
         )
         shortest = shortest_pair(tokenizer, prompts)
     else:
-        kind, _, path = name.partition(":")
-        if kind != "jsonl" or not path:
-            raise UsageError(f"unknown task {name!r} for a reward model: pass --task synthetic or jsonl:PATH of pairs")
-        pairs = read_jsonl(path, check_pair, PAIR_FORM)
-        keyed = [dict(pair, prompt=json.dumps(pair["prompt"]), pair=pair) for pair in pairs]  # a prompt of messages too
-        train, test = ([row["pair"] for row in rows] for rows in split_examples(name, keyed))
-        task = types.SimpleNamespace(name=name, train=train, test=test)
+        train, test = load_pairs(name, None, 0, 0.0, 0)
+        task, pairs = types.SimpleNamespace(name=name, train=train, test=test), train + test
         check_vocabulary(tokenizer, pairs, args.model)
         check_lengths(tokenizer, pairs, config.get_text_config(), args.model)
         shortest = shortest_pair(tokenizer, [pair["prompt"] for pair in pairs])

@@ -71,9 +71,7 @@ def test_the_loss_equals_trls_reward_trainer(trained, tmp_path):
     model = reward_model.load_reward_model(trained, CPU).eval()
     pairs = tiny_pairs()
     with torch.no_grad():
-        ours = reward_model.bradley_terry_loss(
-            *reward_model.pair_rewards(model, reward_model.pair_inputs(tokenizer, pairs, CPU), len(pairs)), len(pairs)
-        )
+        ours = reward_model.bradley_terry_loss(*reward_model.pair_rewards(model, tokenizer, pairs, CPU), len(pairs))
     ids = lambda key: [tokenizer(p["prompt"] + p[key])["input_ids"] for p in pairs]  # noqa: E731
     rows = [{"chosen_ids": c, "rejected_ids": r} for c, r in zip(ids("chosen"), ids("rejected"))]
     config = trl.RewardConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=None)
@@ -95,7 +93,7 @@ def test_the_score_is_the_scalar_head_at_the_last_real_token(trained):
     model = reward_model.load_reward_model(trained, CPU).eval()
     pairs = tiny_pairs()
     with torch.no_grad():
-        chosen, rejected = reward_model.pair_rewards(model, reward_model.pair_inputs(tokenizer, pairs, CPU), len(pairs))
+        chosen, rejected = reward_model.pair_rewards(model, tokenizer, pairs, CPU)
         for pair, c, r in zip(pairs, chosen.tolist(), rejected.tolist()):
             for completion, score in ((pair["chosen"], c), (pair["rejected"], r)):
                 ids = torch.tensor([tokenizer(pair["prompt"] + completion)["input_ids"]])
@@ -116,11 +114,7 @@ def test_the_saved_model_loads_and_scores_the_same_through_ppos_reward_model(tra
     theirs = scorer.score(prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], [""] * 6)
     with torch.no_grad():
         ours = torch.cat(
-            reward_model.pair_rewards(
-                reward_model.load_reward_model(trained, CPU),
-                reward_model.pair_inputs(scorer.tokenizer, pairs, CPU),
-                len(pairs),
-            )
+            reward_model.pair_rewards(reward_model.load_reward_model(trained, CPU), scorer.tokenizer, pairs, CPU)
         )
     assert ours.tolist() == pytest.approx(theirs, abs=1e-6)
 
@@ -188,9 +182,7 @@ def good_rows(n=20):
 
 
 def test_jsonl_pairs_standard_and_conversational(tmp_path):
-    args = reward_model.Args(task=f"jsonl:{write_pairs(tmp_path, good_rows())}")
-    task = preferences.load_task(args.task, args)
-    train, test = task.train, task.test
+    train, test = preferences.load_pairs(f"jsonl:{write_pairs(tmp_path, good_rows())}", None, 0, 0, 0)
     assert len(train) == 18 and len(test) == 2 and {p["prompt"] for p in train}.isdisjoint(p["prompt"] for p in test)
     user, a, b = ({"role": r, "content": c} for r, c in (("user", "hi"), ("assistant", "hello"), ("assistant", "go")))
     explicit = preferences.check_pair({"prompt": [user], "chosen": [a], "rejected": [b]}, "here")
