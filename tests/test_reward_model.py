@@ -24,8 +24,10 @@ SMALL = dict(num_pairs=128, num_steps=4, batch_size=16, micro_batch_size=8, eval
 
 
 def run(tmp_path, **overrides):
-    """reward_model.main on the tiny model; returns (held-out evaluation, the run's folder)."""
-    args = reward_model.Args(**dict(SMALL, output_dir=str(tmp_path), **overrides))
+    """reward_model.main on the tiny model; returns (held-out evaluation, the run's folder). --num-pairs only on the
+    synthetic task: with a file of pairs it cannot act, and is refused."""
+    small = {k: v for k, v in SMALL.items() if k != "num_pairs" or overrides.get("task", "synthetic") == "synthetic"}
+    args = reward_model.Args(**dict(small, output_dir=str(tmp_path), **overrides))
     evaluation = reward_model.main(args)
     (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if os.path.isdir(os.path.join(tmp_path, d))]
     return evaluation, folder
