@@ -385,7 +385,7 @@ def main(args, flags_given=()):
 
     final_dir = lora.save_final(policy, tokenizer, run_dir, args)  # final/, and final-merged/ with --lora-merged
     writer.close()
-    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
+    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir, args.reward_model)
     return history["score"]
 
 

@@ -463,7 +463,7 @@ def main(args, flags_given=()):
     if critic is not None:
         checkpoints.save_model(critic, tokenizer, os.path.join(run_dir, "critic"), step=args.num_steps)
     writer.close()
-    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir)
+    bookkeeping.print_summary(SCRIPT, history, time.time() - run.start_time, device, final_dir, args.reward_model)
     return history["score"]
 
 

@@ -20,6 +20,7 @@ Where this departs from the papers:
      noise, so the learnt reward can be checked against the truth, which human labels do not allow.
 """
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -28,16 +29,17 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, threads
-from machinery.errors import UsageError
-from tasks.preferences import load_pairs
+from machinery import bookkeeping, checkpoints, dumps, flags, models, precision, startup, threads
+from tasks import preferences
 
 
 @dataclass
-class Args:
-    """A reward model from preference pairs (see the top of reward_model.py). The defaults are the built-in tiny
-    model's; on any other model, HUB_DEFAULTS replace some of them."""
+class Args(flags.RunArgs):
+    """A reward model from preference pairs (see the top of reward_model.py); the first flags (precision,
+    checkpoints, logs) are shared with grpo.py and ppo.py. The defaults are the built-in tiny model's; on any other
+    model, HUB_DEFAULTS replace some of them."""
 
+    # Shared with the algorithm files: the same names, meanings and (but for the sizes) defaults.
     exp_name: str = "reward_model"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -48,39 +50,32 @@ class Args:
     """the pairs: `synthetic` (sampled from --model, labelled by a gold reward) or jsonl:PATH (tasks/preferences.py)"""
     preset: Optional[Literal["tiny", "hub"]] = None
     """`hub` applies HUB_DEFAULTS to the fields left at their default (by default: on any model but tiny)"""
-    num_pairs: int = 6144
-    """synthetic: training pairs to sample (and a tenth as many held out, on the copy task's held-out prompts)"""
-    label_beta: float = 30.0
-    """synthetic: the labeller prefers a to b with probability sigmoid(label_beta * (gold(a) - gold(b)))"""
-    max_new_tokens: int = 5
-    """synthetic: longest sampled completion, in tokens (as grpo.py and ppo.py sample)"""
     num_steps: int = 600
     """training steps; each is one optimizer step on batch_size pairs"""
-    batch_size: int = 64
-    """pairs per optimizer step"""
-    micro_batch_size: int = 64
-    """pairs per forward/backward pass; the gradient is that of the whole batch"""
+    max_new_tokens: int = 5
+    """synthetic: longest sampled completion, in tokens (as grpo.py and ppo.py sample)"""
     learning_rate: float = 2e-3
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled)"""
+    decay_norms_and_biases: bool = True
+    """weight decay on biases and norm weights too; --no-decay-norms-and-biases spares them, as the HF Trainer
+    (TRL) does"""
     warmup_steps: int = 0
     """steps of linear learning-rate warmup from 0"""
     max_grad_norm: float = 1.0
     """gradients are clipped to this global norm"""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """precision of the forward passes under autocast; weights stay float32 (see machinery/precision.py)"""
-    threads: str = "auto"
-    """threads of torch's CPU operations: auto (torch's default, at most the cores other processes leave idle; an
-    OMP_NUM_THREADS of yours wins) or a number"""
+    micro_batch_size: int = 64
+    """pairs per forward/backward pass; the gradient is that of the whole batch"""
     eval_every: int = 50
     """held-out accuracy, margin and loss every this many steps, logged as eval/ (0: only after the last step)"""
-    save_every: int = 0
-    """write a checkpoint every this many steps (0: only on a signal); the final model is always saved"""
-    resume: Optional[str] = None
-    """checkpoint folder to continue from, with the same Args"""
-    output_dir: str = "runs"
-    """TensorBoard logs, checkpoints and the final model go to output_dir/run_name"""
+    # The reward model's own: the pairs and the batch.
+    num_pairs: int = 6144
+    """synthetic: training pairs to sample (and a tenth as many held out, on the copy task's held-out prompts)"""
+    label_beta: float = 30.0
+    """synthetic: the labeller prefers a to b with probability sigmoid(label_beta * (gold(a) - gold(b)))"""
+    batch_size: int = 64
+    """pairs per optimizer step"""
 
 
 # On a model other than tiny, these replace the defaults above; a flag given on the command line wins.
@@ -91,14 +86,16 @@ SCRIPT = "reward_model"  # names its checkpoints and logs
 
 
 def check_args(args):
-    for name, value in vars(args).items():
-        flags.check_magnitude(name, value)
+    flags.check_run_args(args)
     flags.check_positive(args, "num_pairs", "max_new_tokens", "num_steps", "batch_size", "micro_batch_size")
-    flags.check_range(args, "in (0, 1)", "learning_rate")
-    flags.check_range(args, "> 0", "label_beta", "max_grad_norm")
-    flags.check_range(args, ">= 0", "weight_decay", "warmup_steps", "eval_every", "save_every")
-    if not 0 <= args.seed < 2**32:
-        raise UsageError(f"--seed is {args.seed}: it must be in [0, 2**32)")
+    flags.check_range(args, "> 0", "label_beta")
+    synthetic, policy_only = args.task == "synthetic", "in grpo.py and ppo.py, which train a policy"
+    for name in ("num_pairs", "label_beta", "max_new_tokens"):
+        flags.check_acts(args, name, synthetic, "with --task synthetic", "pass --task synthetic", HUB_DEFAULTS)
+    for name in ("reward_model", "system_prompt", "dump_dir", "sample_every", "lora_rank"):
+        flags.check_acts(args, name, False, policy_only, "run that script")
+    if synthetic:
+        preferences.check_synthetic_sizes(args.num_pairs)
 
 
 def bradley_terry_loss(chosen_rewards, rejected_rewards, total_pairs):
@@ -114,15 +111,34 @@ def bradley_terry_loss(chosen_rewards, rejected_rewards, total_pairs):
     return -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).sum() / total_pairs
 
 
-def pair_rewards(model, tokenizer, pairs, device):
+def compute_loss(outputs, batch, args):
+    """The loss entry point the training loop calls: bradley_terry_loss on a micro-batch's scores (outputs: chosen
+    and rejected, [n] each, with the gradient) as its share of the batch of batch["num_pairs"] pairs. A new loss
+    term goes here. Returns the loss and, detached, its terms (for logs and the non-finite stop)."""
+    chosen, rejected = outputs["chosen"], outputs["rejected"]
+    loss = bradley_terry_loss(chosen, rejected, batch["num_pairs"])
+    return loss, {"margin": (chosen - rejected).detach(), "loss": loss.detach()}
+
+
+def pair_scores(model, enc, n):
     """(r(x, y_chosen), r(x, y_rejected)), [n] each: the scalar head's output at each text's last token that is not
     the pad id, which transformers' *ForSequenceClassification reads (its `score` applied to the last hidden state),
-    on the tokens models.reward_inputs makes: what ppo.py's and grpo.py's --reward-model (models.RewardModel) score."""
+    on `enc`, the 2n texts pair_inputs makes: what ppo.py's and grpo.py's --reward-model (models.RewardModel) score."""
+    rewards = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, 0].float()  # [2n]
+    return rewards[:n], rewards[n:]
+
+
+def pair_rewards(model, tokenizer, pairs, device):
+    """pair_scores of `pairs`, tokenised by pair_inputs."""
+    return pair_scores(model, pair_inputs(tokenizer, pairs, device), len(pairs))
+
+
+def pair_inputs(tokenizer, pairs, device):
+    """The pairs' chosen then rejected texts, tokenised by models.reward_inputs (the same text, the same tokens and
+    the same last token as models.RewardModel), right-padded: [2n, T]."""
     prompts = [pair["prompt"] for pair in pairs]
     completions = [pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs]
-    enc = models.reward_inputs(tokenizer, prompts + prompts, completions).to(device)
-    rewards = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, 0].float()  # [2n]
-    return rewards[: len(pairs)], rewards[len(pairs) :]
+    return models.reward_inputs(tokenizer, prompts + prompts, completions).to(device)
 
 
 def load_reward_model(name, device):
@@ -137,36 +153,26 @@ def load_reward_model(name, device):
     return model
 
 
-def check_lengths(tokenizer, pairs, limit, model_name):
-    """Refuse a pair whose prompt and chosen or rejected completion, as the reward model reads them, overflow the
-    model's positions."""
-    halves = [(pair["prompt"], pair[key]) for pair in pairs for key in ("chosen", "rejected")]
-    texts, templated = models.reward_texts(tokenizer, *zip(*halves))
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    if limit and lengths[longest] > limit:
-        pair, key = pairs[longest // 2], ("chosen", "rejected")[longest % 2]
-        raise UsageError(
-            f"{pair.get('where', 'a synthetic pair')}: its prompt and {key} completion are {lengths[longest]} tokens "
-            f"as the reward model reads them, more than the {limit} positions of {model_name!r}: shorten or drop it"
-        )
+LOADERS = {"reward_model": load_reward_model}  # what --resume builds the checkpoint's model into
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, pairs, micro_batch_size, device, dtype):
     """On the held-out pairs: eval/accuracy (the share whose chosen scores higher), eval/margin (the mean of
-    r_c - r_r) and eval/bt_loss."""
+    r_c - r_r) and eval/bt_loss (bradley_terry_loss on every held-out pair)."""
     model.eval()
-    margins = []
+    chosen, rejected = [], []
     for i in range(0, len(pairs), micro_batch_size):
         with common.autocast(device, dtype):
-            chosen, rejected = pair_rewards(model, tokenizer, pairs[i : i + micro_batch_size], device)
-        margins.append(chosen - rejected)
-    margin = torch.cat(margins)
+            scores = pair_rewards(model, tokenizer, pairs[i : i + micro_batch_size], device)
+        chosen.append(scores[0])
+        rejected.append(scores[1])
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+    margin = chosen - rejected
     return {
         "eval/accuracy": (margin > 0).float().mean().item(),
         "eval/margin": margin.mean().item(),
-        "eval/bt_loss": bradley_terry_loss(margin, torch.zeros_like(margin), len(margin)).item(),
+        "eval/bt_loss": bradley_terry_loss(chosen, rejected, len(margin)).item(),
     }
 
 
@@ -186,94 +192,79 @@ def sample_completions(model_name, device, dtype, max_new_tokens):
 
 
 def main(args, flags_given=()):
-    preset = flags.apply_hub_defaults(args, HUB_DEFAULTS, flags_given)
-    check_args(args)
-    models.resolve_model_path(args.model)  # a bad name is refused before anything else
-    device = precision.pick_device()
-    threads.resolve_threads(args.threads)  # printed, with the reason
-    dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
-    bookkeeping.seed_everything(args.seed)  # the synthetic pairs are sampled first
-    start_time = time.time()
-    sample = sample_completions(args.model, device, dtype, args.max_new_tokens) if args.task == "synthetic" else None
-    train_pairs, test_pairs = load_pairs(args.task, sample, args.num_pairs, args.label_beta, args.seed)
-    del sample  # the policy that sampled them
-    state = checkpoints.load_checkpoint(args.resume, SCRIPT, args) if args.resume else None
-    run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
-    flags.print_settings(args, run_dir, preset, HUB_DEFAULTS)
-
-    tokenizer = models.load_tokenizer(args.model)
+    # SETUP: every flag, model name, the pairs (read, and checked against the tokenizer and positions of --model)
+    # and the memory bound checked before anything loads.
+    load_task = functools.partial(preferences.load_task, args=args)  # args: as the hub defaults leave them
+    run = startup.start(SCRIPT, args, HUB_DEFAULTS, flags_given, check_args, load_task)
+    task, device, dtype, run_dir = run.task, run.device, run.dtype, run.run_dir
+    if task.train is None:  # synthetic: sampled from the policy now (seeded), which is then freed
+        sample = sample_completions(args.model, device, dtype, args.max_new_tokens)
+        task.train, task.test = preferences.synthetic_task_pairs(sample, args.num_pairs, args.label_beta, args.seed)
+        del sample
+    tokenizer = preferences.reward_tokenizer(args)  # --no-chat-template: without its template, saved so
     model = load_reward_model(args.model, device)  # float32 master weights, autocast to dtype
+    if args.gradient_checkpointing:
+        precision.set_activation_checkpointing(model, True)
     threads.keep_freed_memory(model, device)  # on a CPU, a model's largest tensors reuse the last step's pages
     model.config.pad_token_id = tokenizer.pad_token_id  # how it finds each row's last token, here and in RewardModel
-    check_lengths(
-        tokenizer, train_pairs + test_pairs, getattr(model.config, "max_position_embeddings", None), args.model
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1))
-    )
-    sampler = common.PromptSampler(train_pairs, args.seed)  # endless shuffled passes over the pairs
-    first_step, history = 1, {"bt_loss": [], "eval": {}}
-    if args.resume:  # the checkpoint's weights, optimizer, schedule, order of the pairs, RNG states and history
-        lora.restore_weights(model, os.path.join(args.resume, "reward_model"), load_reward_model)
-        first_step, history = checkpoints.restore_state(state, optimizer, scheduler, sampler)
-    writer = bookkeeping.make_writer(run_dir, args, first_step, reward_model=model)
+    preferences.check_lengths(tokenizer, task.train + task.test, model.config.get_text_config(), args.model)
+    trained = {"reward_model": model}
+    lrs = {"reward_model": args.learning_rate}
+    optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
+    sampler = common.PromptSampler(task.train, args.seed)  # endless shuffled passes over the pairs
+    history = {"bt_loss": [], "eval": {}, "tokens": 0}
+    first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS, history)
+    writer = bookkeeping.make_writer(run_dir, args, first_step, **trained)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
     timer = bookkeeping.Timer()
 
     pbar = bookkeeping.progress(SCRIPT, first_step, args.num_steps)
     for step in pbar:
-        # OPTIMIZE: one step on batch_size pairs, accumulated over micro-batches.
+        # BATCH: batch_size pairs from shuffled passes over the training pairs, each micro-batch's chosen and
+        # rejected texts tokenised as the reward model reads them.
+        with timer("batch"):
+            pairs = sampler.sample(args.batch_size)
+            micro_pairs = [pairs[i : i + args.micro_batch_size] for i in range(0, len(pairs), args.micro_batch_size)]
+            micro_inputs = [pair_inputs(tokenizer, micro, device) for micro in micro_pairs]  # [2n, T] each
+            batch = dict(num_pairs=len(pairs))
+
+        # OPTIMIZE: one step on the batch, accumulated over micro-batches.
         with timer("train"):
             model.train()
-            batch = sampler.sample(args.batch_size)
             optimizer.zero_grad(set_to_none=True)
-            b_margins, b_loss = [], 0.0
-            for i in range(0, len(batch), args.micro_batch_size):
+            updates = []  # each micro-batch's terms: checked and logged below
+            for micro, enc in zip(micro_pairs, micro_inputs):
                 with common.autocast(device, dtype):
-                    chosen, rejected = pair_rewards(model, tokenizer, batch[i : i + args.micro_batch_size], device)
+                    chosen, rejected = pair_scores(model, enc, len(micro))
                 # ALGO LOGIC: the Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected), its share of the batch mean.
-                loss = bradley_terry_loss(chosen, rejected, len(batch))
+                loss, terms = compute_loss(dict(chosen=chosen, rejected=rejected), batch, args)
                 loss.backward()
-                b_margins.append((chosen - rejected).detach())
-                b_loss += loss.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                updates.append(terms)
+            grad_norms = common.clip_grad_norms(trained, args.max_grad_norm)
+            b_margins, b_loss = [terms["margin"] for terms in updates], sum(terms["loss"].item() for terms in updates)
             dumps.check_finite(step, "loss", b_loss, run_dir, {"margins": b_margins})
             optimizer.step()
 
         # LOGGING: the training batch's loss, accuracy and margin; the held-out pairs' every eval_every steps.
         margins = torch.cat(b_margins)  # [batch_size]
         history["bt_loss"].append(b_loss)
+        history["tokens"] += sum(int(enc["attention_mask"].sum()) for enc in micro_inputs)
         scalars = {
-            "losses/bt_loss": b_loss,
-            "losses/grad_norm": grad_norm,
             "charts/accuracy": (margins > 0).float().mean(),
             "charts/margin": margins.mean(),
             "charts/learning_rate": optimizer.param_groups[0]["lr"],
-            "perf/train_seconds": timer.seconds["train"],
-            "perf/peak_memory_gb": bookkeeping.peak_memory_gb(device),
-            "perf/threads": threads.follow_idle_cores(),  # auto: the cores other processes left idle
         }
         if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:
-            history["eval"] = evaluate(model, tokenizer, test_pairs, args.micro_batch_size, device, dtype)
+            history["eval"] = evaluate(model, tokenizer, task.test, args.micro_batch_size, device, dtype)
             scalars.update(history["eval"])
-        for name, value in scalars.items():
-            writer.add_scalar(name, float(value), step)
+        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}
+        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's update used
         pbar.set_postfix(loss=f"{b_loss:.3f}", acc=f"{history['eval'].get('eval/accuracy', float('nan')):.3f}")
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(
-                checkpoint_dir,
-                SCRIPT,
-                args,
-                {"reward_model": model},
-                tokenizer,
-                step,
-                optimizer,
-                scheduler,
-                sampler,
-                history=history,
+                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, history=history
             )
         if stop.name:
             stop.exit(step, writer, SCRIPT)
@@ -284,8 +275,8 @@ def main(args, flags_given=()):
     checkpoints.release_locks()
     evaluation = history["eval"]
     print(
-        f"reward_model done: {len(history['bt_loss'])} steps, {time.time() - start_time:.0f}s | held-out pairs "
-        f"{len(test_pairs)}: accuracy {evaluation['eval/accuracy']:.3f}, margin {evaluation['eval/margin']:.3f} | "
+        f"reward_model done: {len(history['bt_loss'])} steps, {time.time() - run.start_time:.0f}s | held-out pairs "
+        f"{len(task.test)}: accuracy {evaluation['eval/accuracy']:.3f}, margin {evaluation['eval/margin']:.3f} | "
         f"peak memory {bookkeeping.peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
     )
     return evaluation

@@ -172,18 +172,18 @@ def log_step(writer, step, scalars, losses, timer, total_tokens, device):
 
 
 def perf_scalars(timer, total_tokens, device):
-    seconds = timer.seconds
+    seconds = timer.seconds  # each phase's: rollout and train, or reward_model.py's batch and train
     return {
-        "perf/rollout_seconds": seconds.get("rollout", 0.0),
-        "perf/train_seconds": seconds.get("train", 0.0),
+        **{f"perf/{phase}_seconds": value for phase, value in seconds.items()},
         "perf/tokens_per_second": total_tokens / max(sum(seconds.values()), 1e-9),
         "perf/peak_memory_gb": peak_memory_gb(device),
     }
 
 
-def print_summary(script, history, seconds, device, final_dir):
+def print_summary(script, history, seconds, device, final_dir, learnt_reward=None):
     """The one-line summary: mean score over the first 5% and the last 10% of steps (docs/benchmarks.md), the
-    step where the 10-step mean score first reached 0.9, and the completion length over the last 10%."""
+    step where the 10-step mean score first reached 0.9 (not for a `learnt_reward`, --reward-model, whose scale
+    is its own), and the completion length over the last 10%."""
     checkpoints.release_locks()  # the run is over: its folder may be resumed
     scores, lengths = history["score"], history["length"]
     n_first, n_last = max(1, len(scores) // 20), max(1, len(scores) // 10)
@@ -191,13 +191,15 @@ def print_summary(script, history, seconds, device, final_dir):
     reached = next((i + 10 for i in range(len(scores) - 9) if sum(scores[i : i + 10]) / 10 >= 0.9), None)
     print(
         f"{script} done: {len(scores)} steps, {seconds:.0f}s | score first 5% {first:.3f} -> last 10% {last:.3f} "
-        f"| 10-step mean >= 0.9 at step {reached or 'never'} | length {sum(lengths[-n_last:]) / n_last:.2f} tokens "
+        + ("" if learnt_reward else f"| 10-step mean >= 0.9 at step {reached or 'never'} ")
+        + f"| length {sum(lengths[-n_last:]) / n_last:.2f} tokens "
         f"| peak memory {peak_memory_gb(device):.2f} GB | model saved to {final_dir}"
     )
 
 
 class Timer:
-    """Accumulates wall seconds per named phase (perf/rollout_seconds, perf/train_seconds)."""
+    """Accumulates wall seconds per named phase (perf/rollout_seconds, perf/train_seconds; reward_model.py's
+    perf/batch_seconds)."""
 
     def __init__(self):
         self.seconds = {}

@@ -31,17 +31,67 @@ from machinery.errors import UsageError
 _device = torch.device("cpu")  # where collectives run: gloo on CPU tensors, nccl on this process's GPU
 
 
+LAUNCH_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")  # torchrun's counts of processes: at least 1
+LAUNCH_INDICES = {"RANK": "WORLD_SIZE", "LOCAL_RANK": "LOCAL_WORLD_SIZE"}  # this process's place among them
+
+
+def check_environment(environ=os.environ):
+    """torchrun's variables, checked like flags before anything reads them (startup.start calls this first): each
+    count a whole number of at least 1, each rank one of its count's places, a node no larger than the launch,
+    and several processes only with the MASTER_ADDR torchrun sets. One line for anything else."""
+    values = {}
+    for name in (*LAUNCH_SIZES, *LAUNCH_INDICES):
+        text = environ.get(name)
+        if text is None:
+            continue
+        if not text.strip().isdigit() or len(text.strip()) > 9:
+            raise UsageError(
+                f"{name} is {text[:40]!r}: torchrun sets it to a whole number (0, 1, 2, ...); unset it, or start "
+                "with torchrun"
+            )
+        values[name] = int(text)
+    for name in LAUNCH_SIZES:
+        if values.get(name, 1) < 1:
+            raise UsageError(
+                f"{name} is {values[name]}: a launch has at least 1 process; unset it, or start with torchrun"
+            )
+    for name, size in LAUNCH_INDICES.items():
+        if name in values and values[name] >= values.get(size, 1):
+            raise UsageError(
+                f"{name} is {values[name]}, not below {size} {values.get(size, 1)}: unset it, or start with torchrun"
+            )
+    if values.get("LOCAL_WORLD_SIZE", 1) > values.get("WORLD_SIZE", 1):
+        raise UsageError(
+            f"LOCAL_WORLD_SIZE {values['LOCAL_WORLD_SIZE']} is more than WORLD_SIZE {values.get('WORLD_SIZE', 1)}, "
+            "the processes of the whole launch: unset them, or start with torchrun"
+        )
+    if values.get("WORLD_SIZE", 1) > 1 and not environ.get("MASTER_ADDR"):
+        raise UsageError(
+            f"WORLD_SIZE is {values['WORLD_SIZE']} but MASTER_ADDR is not set, so the processes cannot meet: start "
+            "the run with torchrun (docs/torchrun.md), or unset WORLD_SIZE"
+        )
+
+
 def initialized():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def world_size():
     """Number of processes: torchrun's WORLD_SIZE (readable before the process group starts), else 1."""
-    return torch.distributed.get_world_size() if initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return torch.distributed.get_world_size() if initialized() else launch_number("WORLD_SIZE", 1)
 
 
 def rank():
-    return torch.distributed.get_rank() if initialized() else int(os.environ.get("RANK", 0))
+    if initialized():
+        return torch.distributed.get_rank()
+    return launch_number("RANK", 0) if launch_number("RANK", 0) < world_size() else 0  # else refused, as rank 0
+
+
+def launch_number(name, default):
+    """torchrun's variable `name` as a number; `default` where it is unset or no whole number (check_environment
+    refuses that, in one line printed as the first process's)."""
+    text = os.environ.get(name, "").strip()
+    return int(text) if text.isdigit() and len(text) <= 9 else default
 
 
 def is_main():

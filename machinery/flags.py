@@ -169,7 +169,7 @@ def check_magnitude(name, value):
 
 
 def check_run_args(args):
-    """The checks of the flags grpo.py and ppo.py share; each script's check_args calls it first.
+    """The checks of the run flags the three scripts share; each script's check_args calls it first.
 
     Every number first passes check_magnitude; then the ranges (flags named in FLOORS have their own).
     """
@@ -185,19 +185,26 @@ def check_run_args(args):
                 else f"[0, {2**32 - n}] (each of the {n} processes seeds with --seed + its rank, below 2**32)"
             )
         )
-    if args.temperature <= 0:
+    if getattr(args, "temperature", 1.0) <= 0:  # reward_model.py samples in its own flags' terms: no --temperature
         raise UsageError(f"--temperature is {args.temperature}: it must be > 0 (the log-probs divide by it)")
     for name, (low, high, why) in FLOORS.items():
         value = getattr(args, name, None)
         if value is not None and (0 < value < low or (high and value > high)):  # <= 0: the range rules
             raise UsageError(f"--{name.replace('_', '-')} is {value}: {why}")
-    if not 0 <= args.clip_low < 1 or args.clip_high < 0:
+    if not 0 <= getattr(args, "clip_low", 0) < 1 or getattr(args, "clip_high", 0) < 0:
         raise UsageError(
             f"--clip-low {args.clip_low} --clip-high {args.clip_high}: need 0 <= clip-low < 1 and clip-high >= 0"
         )
     check_range(args, "in (0, 1)", "learning_rate")  # Adam moves each weight by about lr a step: 1 or more is noise
     check_range(args, "> 0", "max_grad_norm")
     check_range(args, ">= 0", "weight_decay", "warmup_steps")
+    last_rate = args.learning_rate * min(1.0, args.num_steps / (args.warmup_steps + 1))  # the warmup's, at the end
+    if args.num_steps >= 1 and last_rate < FLOORS["learning_rate"][0]:  # fewer steps: the script's own line
+        raise UsageError(
+            f"--warmup-steps {args.warmup_steps} is too long for a run of --num-steps {args.num_steps}: the learning "
+            f"rate would reach only {last_rate:.3g} by its last step, below 1e-8, where AdamW moves no weight; "
+            "shorten the warmup or lengthen the run"
+        )
     if args.learning_rate * args.weight_decay >= 1:  # AdamW multiplies each weight by 1 - lr * wd every step
         raise UsageError(
             f"--learning-rate {args.learning_rate} times --weight-decay {args.weight_decay} is >= 1: every step would "

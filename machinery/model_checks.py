@@ -267,3 +267,87 @@ def check_step_fits(args, config, device, world_size=1, critic_config=None):
 
 def gib(size):
     return f"{size / 2**30:,.0f}" if size >= 100 * 2**30 else f"{size / 2**30:.3g}"
+
+
+def pair_step_bytes(args, config, shortest):
+    """A lower bound on the bytes one step of reward_model.py holds at once, and its parts, for 2 texts a pair of at
+    least `shortest` tokens each: the reward model's weights and optimizer state (16 bytes a parameter, on the causal
+    LM's skeleton); the batch's tokens, tokenised before the update (ids and mask as int64 tensors and, meanwhile, as
+    the tokenizer's Python lists: 32 bytes a token, 128 a text); a micro-batch's activations kept for the backward
+    pass: per token and layer the inputs of its linear maps (3 x hidden + the MLP's width: the attention's and the
+    MLP's inputs, the output projection's and the down projection's), or with --gradient-checkpointing the layer's
+    input alone, in the forward's precision."""
+    text = config.get_text_config()
+    hidden, layers = (getattr(text, key, None) or 1 for key in ("hidden_size", "num_hidden_layers"))
+    width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    per_token = hidden if args.gradient_checkpointing else 3 * hidden + width
+    rows = 2 * min(args.micro_batch_size, args.batch_size)
+    precision = 4 if args.dtype == "float32" else 2
+    parts = {
+        "the reward model's weights and optimizer state": model_bytes(skeleton(config), args, True, 0),
+        "the batch's tokens": 2 * args.batch_size * (32 * shortest + 128),
+        "a micro-batch's activations": rows * shortest * layers * per_token * precision,
+    }
+    return sum(parts.values()), parts
+
+
+def check_pairs_fit(args, config, shortest):
+    """Refuse a reward-model step that cannot fit in this machine's memory even at pair_step_bytes' lower bound."""
+    need, parts = pair_step_bytes(args, config, shortest)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    have = machine_memory(device)
+    if need > have:
+        biggest = max(parts, key=parts.get)
+        fix = {
+            "the reward model's weights and optimizer state": "pick a smaller --model",
+            "the batch's tokens": "lower --batch-size",
+        }.get(biggest, "lower --micro-batch-size, or add --gradient-checkpointing")
+        where = "GPU memory" if device.type == "cuda" else "memory (RAM)"
+        raise UsageError(
+            f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "
+            f"{gib(have)} GiB of {where}: {fix}"
+        )
+
+
+def check_run_folder(path, flag):
+    """A run's folder given where a model is wanted: one line naming the model inside it (RUN/final)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    for inside in ("final", "checkpoint"):
+        if os.path.isfile(os.path.join(path, inside, "config.json")) or os.path.isdir(os.path.join(path, inside)):
+            raise UsageError(
+                f"{flag} {path!r} is a run folder, not a model: pass {os.path.join(path, 'final')!r}, the model it "
+                "saved at its end"
+            )
+
+
+def check_reward_model_config(config, name, flag):
+    """From the config alone, before any weight loads: --reward-model must be a reward model (a sequence classifier
+    with one output); reward_model.py's --model a causal LM, or such a reward model to train further."""
+    heads = config.architectures or []
+    outputs = getattr(config, "num_labels", 1)
+    classifier = any(head.endswith("ForSequenceClassification") for head in heads)
+    if flag == "--reward-model" and heads and not classifier:  # no architectures saved: its weights tell, at load
+        causal = any(head.endswith(("ForCausalLM", "LMHeadModel")) for head in heads)
+        what = "a causal LM" if causal else f"saved as {', '.join(heads)}"
+        raise UsageError(
+            f"--reward-model {name!r} is {what}, not a reward model (a sequence classifier with one output): "
+            "train one with reward_model.py and pass its RUN/final"
+        )
+    if classifier and outputs != 1:
+        use = "train one with reward_model.py" if flag == "--reward-model" else "pass a causal LM to start from"
+        raise UsageError(
+            f"{flag} {name!r} is a classifier ({', '.join(heads)}) that has {outputs} outputs: a reward model has 1; "
+            f"{use}"
+        )
+
+
+def check_trained_head(missing, name, flag):
+    """Refuse a reward model some of whose weights were not in its files (`missing`, from transformers' loading
+    info): transformers makes them up at random, and a random scalar head scores every completion at random."""
+    if missing:
+        raise UsageError(
+            f"{flag} {name!r} has no trained {sorted(missing)[0]!r} in its weights ({len(missing)} missing): "
+            "transformers would make a random one, which scores at random: pass a trained reward model "
+            "(reward_model.py's RUN/final)"
+        )

@@ -178,8 +178,9 @@ def chat_texts(tokenizer, prompts):
         ) from None
 
 
-def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
-    """A model by hub id or local path through `loader` (an AutoModelFor... class), with every dropout set to 0.
+def load_pretrained(loader, name, device, dtype=torch.float32, missing=None, **kwargs):
+    """A model by hub id or local path through `loader` (an AutoModelFor... class), with every dropout set to 0;
+    the names of the weights its files lacked (made up at random by transformers) added to the list `missing`.
 
     Dropout would make the ratio differ from 1 at the first update (policy and old policy would
     be two different random networks), so RL fine-tuning turns it off.
@@ -192,7 +193,10 @@ def load_pretrained(loader, name, device, dtype=torch.float32, **kwargs):
     for key, value in vars(config).items():
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
-    model = from_pretrained(loader, path, config=config, dtype=dtype)
+    model = from_pretrained(loader, path, config=config, dtype=dtype, output_loading_info=missing is not None)
+    if missing is not None:
+        model, info = model
+        missing += info["missing_keys"]
     for module in model.modules():  # heads whose dropout no config key sets (classifier_dropout None means 0.1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -445,13 +449,44 @@ class RewardModel:
         self.name, self.batch_size = f"reward model {name}", batch_size
         self.tokenizer = load_tokenizer(name)
         self.tokenizer.padding_side = "right"
-        self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype).eval()
-        if self.model.config.num_labels != 1:
-            raise UsageError(
-                f"--reward-model {name!r} has {self.model.config.num_labels} outputs: a reward model has 1"
-            )
+        from transformers.utils import logging
+
+        missing, verbosity = [], logging.get_verbosity()
+        logging.set_verbosity_error()  # transformers' load report: a missing head is refused below, in one line
+        self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype, missing).eval()
+        logging.set_verbosity(verbosity)
+        model_checks.check_reward_model_config(self.model.config, name, "--reward-model")  # as saved: 1 output
+        model_checks.check_trained_head(missing, name, "--reward-model")
+        model_checks.check_token_ids(self.model, self.tokenizer, [], f"--reward-model {name}")
         if self.model.config.pad_token_id is None:  # it finds each row's last token through the pad id
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def check_task(self, task, max_new_tokens):
+        """Refuse a reward model that cannot read the task's text: characters of its prompts or answers its
+        tokenizer does not know (it would score <unk>s), or fewer positions than the longest prompt, as it reads
+        it, and --max-new-tokens (a completion would run past its position embeddings)."""
+        name = self.name.removeprefix("reward model ")
+        texts = [example[key] for example in task.train + task.test for key in ("prompt", "answer")]
+        unknown = unwritable_characters(self.tokenizer, texts)
+        if unknown:
+            char = next(c for t in texts for c in t if c in unknown)
+            raise UsageError(
+                f"the tokenizer of --reward-model {name!r} does not know {len(unknown)} of the characters of task "
+                f"{task.name!r} (e.g. {char!r}), so it would score <unk>s: pass a reward model trained on text "
+                "like the task's (from a model of the policy's family)"
+            )
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if not limit:
+            return
+        prompts = [example["prompt"] for example in task.train + task.test]
+        texts, templated = reward_texts(self.tokenizer, prompts, [""] * len(prompts))
+        (length, _), over = longest(self.tokenizer, texts, limit - max_new_tokens, None if templated else False)
+        if over:
+            raise UsageError(
+                f"--reward-model {name!r} has {limit} positions, fewer than the longest prompt of task {task.name!r} "
+                f"as it reads it ({length} tokens) and --max-new-tokens {max_new_tokens}: pass a reward model with "
+                "more positions, or shorten the prompts"
+            )
 
     def score(self, prompts, completions, answers):
         scores = []

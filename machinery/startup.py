@@ -21,14 +21,19 @@ MODEL_FLAGS = ("model", "critic_model", "reward_model")  # the Args fields that 
 def start(script, args, hub_defaults, flags_given, check_args, load_task):
     """Apply the hub defaults, check everything, then make the run folder. Returns the run: its task, device,
     dtype, checkpoint state (None unless --resume), folder and start time."""
+    threads.check_environment()  # OMP_NUM_THREADS=100000 would start that many threads at the first parallel op
+    dist.check_environment()  # WORLD_SIZE, RANK and the like, read by the checks below
     preset = flags.apply_hub_defaults(args, hub_defaults, flags_given)
     check_args(args)
     check_model_names(args)
     task = load_task(args.task)
+    if getattr(args, "reward_model", None):
+        check_reward_model_task(args.reward_model, task)
     device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
     threads.resolve_threads(args.threads)  # printed, with the reason
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
-    state = checkpoints.load_checkpoint(args.resume, script, args, task) if args.resume else None
+    known = task if task.train is not None else None  # reward_model.py's synthetic pairs: sampled after start
+    state = checkpoints.load_checkpoint(args.resume, script, args, known) if args.resume else None
     run_dir = bookkeeping.make_run_dir(args)  # made now, so no other run can take it
     dumps.start_dumps(args, script, run_dir)
     flags.print_settings(args, run_dir, preset, hub_defaults)
@@ -47,7 +52,11 @@ def check_model_names(args):
 
     for field in MODEL_FLAGS:
         if getattr(args, field, None) is not None:  # tiny too: built before torchrun's processes join (dist.init)
-            models.resolve_model_path(getattr(args, field), flags.flag(field))
+            path = models.resolve_model_path(getattr(args, field), flags.flag(field))
+            model_checks.check_run_folder(path, flags.flag(field))
+    if getattr(args, "reward_model", None) is not None:  # a reward model, by its config: no weight loads
+        config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.reward_model))
+        model_checks.check_reward_model_config(config, args.reward_model, "--reward-model")
     if getattr(args, "critic_model", None) not in (None, args.model):
         check_same_vocabulary(args.model, args.critic_model)
     config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
@@ -62,8 +71,21 @@ def check_model_names(args):
         backbone = model_checks.skeleton(critic_config, backbone=True)
         flag = "--critic-model" if args.critic_model else "--model"
         lora.check_layers(args, backbone, args.critic_model or args.model, flag, critic=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
-    model_checks.check_step_fits(args, config, device, int(os.environ.get("WORLD_SIZE", 1)), critic_config)
+    if hasattr(args, "prompts_per_step"):  # a policy's step; reward_model.py bounds its own with its pairs
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
+        model_checks.check_step_fits(args, config, device, dist.world_size(), critic_config)
+
+
+def check_reward_model_task(reward_model, task):
+    """--reward-model replaces the task's reward: refused with a task whose reward is the point of it, a function of
+    yours (python:FILE:FUNCTION) or a dense reward (copy:DIGITS:dense), which would then never be called."""
+    if task.answers == "yours" or task.name.endswith(":dense"):
+        what = "your reward function" if task.answers == "yours" else "a dense reward, paid token by token"
+        raise UsageError(
+            f"--reward-model {reward_model!r} replaces the task's reward, and task {task.name!r} is scored by "
+            f"{what}, which would never be called: drop --reward-model, or pass a task of prompts alone "
+            "(jsonl:PATH)"
+        )
 
 
 def check_same_vocabulary(model, critic):
@@ -103,6 +125,8 @@ def load_scorer(args, run, tokenizer, policy):
     """(scorer, eos_ids): the --reward-model, or else the task, that scores completions; the task's prompts checked
     against the tokenizer and the model's context first; the token ids that end a completion."""
     scorer = models.RewardModel(args.reward_model, run.device, run.dtype) if args.reward_model else run.task
+    if args.reward_model:
+        scorer.check_task(run.task, args.max_new_tokens)
     models.check_vocabulary(tokenizer, run.task, args.model)
     models.check_prompt_length(tokenizer, run.task, policy, args.model, args.max_new_tokens, args.chat_template)
     return scorer, models.eos_token_ids(policy, tokenizer)
@@ -121,12 +145,12 @@ def make_optimizer(trained, learning_rates, args, param_groups):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
 
-def resume(args, run, trained, optimizer, scheduler, sampler, loaders):
-    """(first step, history): 1 and an empty history, or with --resume the checkpoint's weights (each trained
-    model from its own folder, built by `loaders[name]`), optimizer, schedule, prompt order, RNG states and
-    history."""
+def resume(args, run, trained, optimizer, scheduler, sampler, loaders, history=None):
+    """(first step, history): 1 and an empty history (`history`, by default grpo.py's and ppo.py's), or with
+    --resume the checkpoint's weights (each trained model from its own folder, built by `loaders[name]`),
+    optimizer, schedule, prompt order, RNG states and history."""
     if not args.resume:
-        return 1, {"score": [], "length": [], "tokens": 0}
+        return 1, history or {"score": [], "length": [], "tokens": 0}
     for name, model in trained.items():
         lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
     return checkpoints.restore_state(run.state, optimizer, scheduler, sampler)

@@ -55,18 +55,37 @@ def choose_threads(flag, cores, default, idle, env, processes):
             )
         return threads, f"--threads {threads}" + oversubscribed(threads, cores, processes)
     if env is not None:
-        first = env.split(",")[0].strip()  # OpenMP also takes a list, one count per nesting level
-        if not re.fullmatch(r"[0-9]+", first) or int(first) < 1:
-            raise UsageError(f"OMP_NUM_THREADS is {env!r}: set it to a number of threads of at least 1, or unset it")
-        torchrun = " (torchrun sets 1 for several processes)" if processes > 1 and first == "1" else ""
-        return int(first), f"OMP_NUM_THREADS={env} in the environment{torchrun}" + oversubscribed(
-            int(first), cores, processes
-        )
+        first = omp_num_threads(env, cores)
+        torchrun = " (torchrun sets 1 for several processes)" if processes > 1 and first == 1 else ""
+        return first, f"OMP_NUM_THREADS={env} in the environment{torchrun}" + oversubscribed(first, cores, processes)
     threads = min(default, max(1, cores // processes))
     why = f"torch's default on {cores} cores" if processes == 1 else f"{cores} cores / {processes} processes"
     if idle is not None and round(idle) < threads:
         return max(1, round(idle)), f"auto: {idle:.1f} of {cores} cores idle at start"
     return threads, f"auto: {why}" + (f", {idle:.1f} idle at start" if idle is not None else "")
+
+
+def omp_num_threads(env, cores):
+    """The number of threads OMP_NUM_THREADS `env` sets (its first count: OpenMP also takes a list, one count per
+    nesting level), bounded as --threads is (1 to 4 x cores): torch's first parallel operation starts that many
+    threads, and 100,000 of them take every process slot of the machine. A UsageError otherwise."""
+    first = env.split(",")[0].strip()
+    if not re.fullmatch(r"[0-9]+", first) or not 1 <= int(first) <= 4 * cores:
+        raise UsageError(
+            f"OMP_NUM_THREADS is {env[:40]!r}: set it to a number of threads from 1 to {4 * cores} "
+            f"(this machine has {cores} cores), or unset it"
+        )
+    return int(first)
+
+
+def check_environment():
+    """OMP_NUM_THREADS checked like --threads, before anything runs on threads (startup.start calls it first)."""
+    if os.environ.get("OMP_NUM_THREADS") is not None:
+        omp_num_threads(os.environ["OMP_NUM_THREADS"], usable_cores())
+
+
+def usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def threads_for_idle(cap, idle):
@@ -117,9 +136,9 @@ def idle_cores(seconds=0.2):
 
 def resolve_threads(flag):
     """Set torch's number of threads for --threads `flag`, printed with the reason (by the first process)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     env = os.environ.get("OMP_NUM_THREADS")
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = dist.launch_number("LOCAL_WORLD_SIZE", 1)
     idle = idle_cores() if flag == "auto" and env is None else None
     TORCH_DEFAULT.setdefault("threads", torch.get_num_threads())
     threads, reason = choose_threads(flag, cores, TORCH_DEFAULT["threads"], idle, env, processes)

@@ -28,8 +28,10 @@ SMALL = dict(num_pairs=128, num_steps=4, batch_size=16, micro_batch_size=8, eval
 
 
 def run(tmp_path, **overrides):
-    """reward_model.main on the tiny model; returns (held-out evaluation, the run's folder)."""
-    args = reward_model.Args(**dict(SMALL, output_dir=str(tmp_path), **overrides))
+    """reward_model.main on the tiny model; returns (held-out evaluation, the run's folder). --num-pairs only on the
+    synthetic task: with a file of pairs it cannot act, and is refused."""
+    small = {k: v for k, v in SMALL.items() if k != "num_pairs" or overrides.get("task", "synthetic") == "synthetic"}
+    args = reward_model.Args(**dict(small, output_dir=str(tmp_path), **overrides))
     evaluation = reward_model.main(args)
     (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if os.path.isdir(os.path.join(tmp_path, d))]
     return evaluation, folder
@@ -327,13 +329,17 @@ def test_jsonl_held_out_split_keeps_each_prompts_pairs_on_one_side(tmp_path):
         ({"prompt": "1=", "chosen": "1"}, 'the key "rejected" is missing'),
         ({"chosen": "1", "rejected": "2"}, 'the key "prompt" is missing'),
         ({"prompt": "1=", "chosen": "", "rejected": "2"}, '"chosen" is empty'),
-        ({"prompt": "1=", "chosen": "1", "rejected": "  "}, '"rejected" is empty'),
+        ({"prompt": "1=", "chosen": "1", "rejected": "  "}, '"rejected" holds only whitespace'),
         ({"prompt": "1=", "chosen": 1, "rejected": "2"}, '"chosen" must be a string'),
         (
             {"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
             "no first turn",
         ),
-        ({"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": "2"}, '"chosen" must be a string, or a'),
+        (
+            {"prompt": "q", "chosen": [{"role": "assistant"}], "rejected": [{"role": "assistant", "content": "2"}]},
+            r'"chosen"\[0\]\["content"\] must be a string',
+        ),
+        ({"prompt": "q", "chosen": [{"role": "assistant", "content": "1"}], "rejected": "2"}, "in one form"),
     ],
 )
 def test_bad_pairs_are_one_line_errors_naming_the_line(row, message, tmp_path):
@@ -363,7 +369,10 @@ def test_a_reward_model_with_two_outputs_is_refused_by_ppo_and_grpo(tmp_path):
     for module in (ppo, grpo):
         with pytest.raises(UsageError) as error:
             module.main(module.Args(reward_model=folder, num_steps=2, output_dir=str(tmp_path)))
-        assert str(error.value) == f"--reward-model {folder!r} has 2 outputs: a reward model has 1"
+        assert str(error.value) == (
+            f"--reward-model {folder!r} is a classifier (Qwen2ForSequenceClassification) that "
+            "has 2 outputs: a reward model has 1; train one with reward_model.py"
+        )
 
 
 def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):

@@ -40,8 +40,8 @@ def test_omp_num_threads_of_the_user_or_torchrun_is_kept():
     assert choose(env="1") == (1, "OMP_NUM_THREADS=1 in the environment")
     assert choose(env="3", idle=0.0) == (3, "OMP_NUM_THREADS=3 in the environment")  # the load is not asked
     assert choose(env="4,2") == (4, "OMP_NUM_THREADS=4,2 in the environment")  # one count per nesting level
-    for bad in ("0", "x", ""):
-        with pytest.raises(UsageError, match=r"^OMP_NUM_THREADS is .*: set it to a number of threads of at least 1"):
+    for bad in ("0", "x", "", "33", "100000"):  # at most 4 x the 8 cores, as --threads
+        with pytest.raises(UsageError, match=r"^OMP_NUM_THREADS is .*: set it to a number of threads from 1 to 32 "):
             choose(env=bad)
 
 
