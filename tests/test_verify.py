@@ -121,7 +121,7 @@ MISTAKES = {
     ),
     "ends the process": (
         "import os\ndef loss(batch, args):\n    os._exit(0)",
-        "adapter 'mine''s loss() ended verify's process (exit status 0; os._exit, a crash or a kill)",
+        "loss() of adapter 'mine' ended verify's process (exit status 0; os._exit, a crash or a kill)",
     ),
     "ends the process on import": (
         "import os\nos._exit(0)\ndef loss(batch, args):\n    return 1",
@@ -129,7 +129,7 @@ MISTAKES = {
     ),
     "is killed": (
         "import os, signal\ndef loss(batch, args):\n    os.kill(os.getpid(), signal.SIGKILL)",
-        "adapter 'mine''s loss() ended verify's process (killed by SIGKILL",
+        "loss() of adapter 'mine' ended verify's process (killed by SIGKILL",
     ),
 }
 
@@ -154,7 +154,7 @@ def test_an_adapter_that_ends_the_process_in_the_script_is_not_a_pass(verify_dum
 def test_ctrl_c_in_the_adapter(verify_dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, "def loss(batch, args):\n    raise KeyboardInterrupt\n")
     code, out, err = run(capsys, verify_dumps["plain"], "--against", adapter)
-    assert code == 130 and err.strip() == "interrupted in adapter 'mine''s loss(): no result", err
+    assert code == 130 and err.strip() == "interrupted in loss() of adapter 'mine': no result", err
 
 
 def test_a_stub_at_import_does_not_break_the_models(verify_dumps, capsys, tmp_path):
