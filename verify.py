@@ -4,9 +4,9 @@
         --clip-low 0.05 --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 1 \\
         --micro-batch-size 32 --dump-dir dumps/grpo                               # the recommended GRPO dump
     python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
-        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 4 \\
+        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1.9 \\
         --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 --ent-coef 0.01 \\
-        --weight-decay 0.1 --dump-dir dumps/ppo                                   # the recommended PPO dump
+        --weight-decay 0.01 --dump-dir dumps/ppo                                   # the recommended PPO dump
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
     python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements/extra.txt)
     python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements/openrlhf.txt)
@@ -150,6 +150,8 @@ def check_rewards(report, adapter, ref, step, d, batch, args):
         (~has_eos).any() and args["missing_eos_penalty"] > 0,
     )
     report.exercise("rewards", "a completion with EOS", has_eos.any())
+    scored_early = (d["token_scores"] != 0).any(1) & (mask[:, -1] == 0)  # where the score sits is not the last column
+    report.exercise("rewards", "a non-zero score on a completion that ends early", scored_early.any())
     report.exercise("rewards", EARLY, (mask[:, -1] == 0).any())
 
 
@@ -315,8 +317,8 @@ def precision_note(args, meta, report):
 def run(opts):
     """The whole verification (in the child process of main): its output, and its exit status."""
     try:
-        tolerances = parse_tolerances(opts.tol)
         args, steps, notes, meta = load_dump(opts.dump_dir)
+        tolerances = parse_tolerances(opts.tol, args["script"])
         ref = load_adapter("self")
         try:  # before the adapter is imported: what it stubs cannot break the models' loading
             models = ref.initial_models(args)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from verify_helpers import rows, run
 
 import verify
+from verifier import report as verify_report
 
 # verify.py's tolerances as documented (docs/verify.md, "Tolerances"; verify.py): written here, so a loosened one fails
 DOCUMENTED = {
@@ -75,8 +76,12 @@ def update(model, batch, args, state, critic=None):
 }
 
 
+PPO_UPDATE = ("rel", 1e-2)  # a PPO dump's update row (docs/verify.md, "How the update's tolerance was chosen")
+
+
 def test_the_tolerances_are_the_documented_ones():
     assert dict(verify.TOLERANCES) == DOCUMENTED
+    assert verify_report.parse_tolerances([], "ppo") == dict(DOCUMENTED, update=PPO_UPDATE)
 
 
 @pytest.fixture
@@ -122,7 +127,7 @@ def test_a_near_miss_fails_its_row(dumps, capsys, tmp_path, script, quantity):
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_a_near_miss_of_the_update_fails(dumps, capsys, tmp_path, script):
-    tolerance = DOCUMENTED["update"][1]
+    tolerance = (DOCUMENTED["update"] if script == "grpo" else PPO_UPDATE)[1]
     _, _, out = verify_with(capsys, tmp_path, dumps[script], "update", 1e-2)
     miss = float(re.search(r"\| update \| \S+ \| (\S+) \|", out).group(1))  # the miss of a 1e-2 scaling
     code, result, out = verify_with(capsys, tmp_path, dumps[script], "update", 1e-2 * 1.5 * tolerance / miss)

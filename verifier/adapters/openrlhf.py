@@ -1,129 +1,35 @@
-"""OpenRLHF 0.11.2's own advantage, reward, KL, log-prob and loss code as a verify.py adapter (GRPO and PPO).
+"""OpenRLHF 0.11.2's own advantage, reward, KL, log-prob and training-step code as a verify.py adapter (GRPO, PPO).
 
     pip install --no-deps --target .openrlhf-site -r requirements/openrlhf.txt    # a folder of its own
     python verify.py DUMP --against openrlhf         # found in .openrlhf-site, or the folder $OPENRLHF_SITE names
 
 What is called, unchanged (read in .openrlhf-site/openrlhf):
-  advantages, returns  RemoteExperienceMaker.compute_advantages_and_returns (trainer/ppo_utils/experience_maker.py):
-                       GRPO: estimator group_norm (or dr_grpo without the std), PPO: gae, with its whitening
-  rewards              models/utils.py compute_reward (score at the last action-mask position, - kl_coef * kl)
-  kl                   models/utils.py compute_approx_kl (k1, k2, k3)
-  losses               models/loss.py PolicyLoss and ValueLoss, reduced by their aggregate_loss; GRPO adds
-                       beta * aggregate_loss(compute_approx_kl(k3)) as its actor does (trainer/ray/ppo_actor.py)
+  advantages, returns  trainer/ppo_utils/experience_maker.py RemoteExperienceMaker.compute_advantages_and_returns
+                       (GRPO: group_norm, or dr_grpo without the std; PPO: gae, with its whitening)
+  rewards, kl          models/utils.py compute_reward (score at the last action-mask position) and compute_approx_kl
+  losses               trainer/ray/ppo_actor.py ActorPPOTrainer.training_step (policy loss + kl_ctl * KL as a token
+                       mean - entropy_coef * entropy) and ppo_critic.py CriticPPOTrainer.training_step (value loss),
+                       on a stand-in `self` whose strategy keeps the loss it is handed to backpropagate
   kl_coef              trainer/ppo_utils/kl_controller.py AdaptiveKLController.update, fed the summed KL of each
-                       completion as ppo.py feeds its controller; --set controller_kl=mean feeds it as OpenRLHF's
-                       ppo_trainer.py does (a known difference: --accept kl_coef)
-  log-probs            models/actor.py Actor.forward around the model: its position ids, its shift, its
-                       temperature and log_probs_from_logits (the gradient row's log-probs too)
+                       completion as ppo.py feeds its own; --set controller_kl=mean as ppo_trainer.py feeds it
+  log-probs            models/actor.py Actor.forward around the model (the gradient row's log-probs too)
 
-OpenRLHF's package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules above are loaded one
-by one instead, with `deepspeed` (imported, unused, by models/utils.py), ray's launcher (imported by the
-experience maker) and flash-attn (imported by models/ring_attn_utils.py, for packed samples only) stubbed while
-they load. Nothing of OpenRLHF is copied here. The critic's values come from this project's critic (OpenRLHF's is
-its engine's model); the PPO loss is policy + vf_coef * value loss (OpenRLHF trains its critic apart: its own
-loss, unscaled). There is no `update`: OpenRLHF's optimizer is DeepSpeed's, not a function.
+OpenRLHF's package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules above are loaded one by
+one instead, with what they import for their engines stubbed while they load. Nothing of OpenRLHF is copied here.
+The critic's values come from this project's critic (OpenRLHF's is its engine's model); the PPO loss is the actor's
++ vf_coef * the critic's (OpenRLHF steps its critic apart, on its loss unscaled). There is no `update`: OpenRLHF's
+optimizer is DeepSpeed's engine, not a function.
 """
 
-import contextlib
 import functools
-import importlib
-import os
-import sys
 import types
 
 import torch
 
-CHECKOUT_SITE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".openrlhf-site"
-)
-FLASH_ATTN = {  # what models/ring_attn_utils.py imports of flash-attn (used for packed samples only)
-    "flash_attn": (),
-    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-    "flash_attn.utils": (),
-    "flash_attn.utils.distributed": ("all_gather",),
-}
-PACKAGES = [
-    "openrlhf",
-    "openrlhf.models",
-    "openrlhf.utils",
-    "openrlhf.trainer",
-    "openrlhf.trainer.ppo_utils",
-    "openrlhf.trainer.ray",
-]
-# What the actor's and critic's trainer files import for their engines (DeepSpeed, ray, vLLM, images), none of it
-# used by training_step: empty while they load, with the names they import.
-TRAINER_STUBS = {
-    "openrlhf.utils.deepspeed": ("DeepspeedStrategy",),
-    "openrlhf.utils.deepspeed.deepspeed_utils": ("offload_deepspeed_states", "reload_deepspeed_states"),
-    "openrlhf.utils.distributed_util": ("stateless_init_process_group", "torch_dist_barrier_and_cuda_sync"),
-    "openrlhf.utils.vlm_utils": ("merge_mm_train_inputs",),
-    "openrlhf.trainer.ray.utils": ("get_physical_gpu_id",),
-    "openrlhf.trainer.ray.launcher": ("RayActorGroup", "BaseModelActor"),
-}
+from verifier import openrlhf_site
 
-
-@contextlib.contextmanager
-def _stubbed(names):
-    """Empty modules for `names` while OpenRLHF's files load, then sys.modules as it was for them."""
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        yield {name: sys.modules[name] for name in names}
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
-def _load():
-    """OpenRLHF's modules, from $OPENRLHF_SITE when set, else the first of sys.path or .openrlhf-site holding it."""
-    chosen = os.environ.get("OPENRLHF_SITE")
-    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
-    root = next((p for p in candidates if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None)
-    if root is None:
-        raise ImportError(
-            f"no openrlhf in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps "
-            "--target .openrlhf-site -r requirements/openrlhf.txt"
-        )
-    for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [os.path.join(root, *name.split("."))]
-            sys.modules[name] = package
-    importlib.import_module("peft")  # before deepspeed is stubbed: transformers looks for it as peft loads
-    with _stubbed(["deepspeed", "ray", *FLASH_ATTN, *TRAINER_STUBS]) as stubs:
-        stubs["ray"].remote = lambda *a, **k: lambda cls: cls  # @ray.remote(num_gpus=1) on the engine classes
-        for name, attributes in {**FLASH_ATTN, **TRAINER_STUBS}.items():
-            for attribute in attributes:
-                setattr(stubs[name], attribute, object)
-        names = ("models.utils", "models.loss", "models.actor", "trainer.ppo_utils.experience_maker")
-        modules = [importlib.import_module(f"openrlhf.{m}") for m in names]
-        modules.append(importlib.import_module("openrlhf.trainer.ppo_utils.kl_controller"))
-        # What the trainer files import from the packages whose __init__ files were not run
-        package = sys.modules["openrlhf.models"]
-        package.Actor, package.get_llm_for_sequence_regression = modules[2].Actor, None
-        package.PolicyLoss, package.ValueLoss, package.aggregate_loss = (
-            modules[1].PolicyLoss,
-            modules[1].ValueLoss,
-            modules[1].aggregate_loss,
-        )
-        sys.modules["openrlhf.utils"].get_tokenizer = None
-        sys.modules["openrlhf.trainer.ppo_utils"].NaiveReplayBuffer = None
-        for m in (
-            "utils.loss_utils",
-            "trainer.ppo_utils.experience",
-            "trainer.ray.ppo_actor",
-            "trainer.ray.ppo_critic",
-        ):
-            modules.append(importlib.import_module(f"openrlhf.{m}"))
-    return modules
-
-
-utils, loss_module, actor_module, experience_maker, kl_controller, loss_utils, experience, ppo_actor, ppo_critic = (
-    _load()
+(utils, loss_module, actor_module, experience_maker, kl_controller, loss_utils, experience, ppo_actor, ppo_critic) = (
+    openrlhf_site.load()
 )
 OPTIONS = {"controller_kl": "summed"}  # what AdaptiveKLController is fed: ppo.py's (summed) or OpenRLHF's (mean)
 
