@@ -46,8 +46,9 @@ result. A NaN or inf fails its row. Every row appears: pass, FAIL, "differs (kno
 Exit status: 0 PASS: the advantages row and a loss row (per-token loss, loss or gradient) were compared, and every
 row compared passed or differs by a known difference accepted within its bound; 1 FAIL: a row failed; 2 bad input
 (the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, ends the process, does not compile,
-returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd); 4 INCOMPLETE: no
-row failed, but too little was compared for a pass (the line says what was and why the rest was skipped);
+returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd, a known
+difference without a bound or beyond the ceiling); 4 INCOMPLETE: no row failed, but too little was compared for a
+pass (the line says what was and why the rest was skipped);
 130 interrupted. The checks run in a child process (verifier/isolation.py): an adapter that ends it is exit 3
 (128 + N where a signal N killed it outside any adapter call: 137, out of memory).
 
@@ -63,7 +64,8 @@ entropy); token_logprobs gets the ids and masks alone. See verifier/adapters/sel
   rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)
   token_logprobs(model, batch, args) -> [N, T]       kl(batch, args) -> [N, T]
   per_token_loss(batch, args) -> [N, T]              loss(batch, args) -> scalar
-  train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, whose gradient is compared
+  train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, called micro-batch by micro-batch:
+  its gradients, summed, are compared
   update(model, batch, args, state[, critic]): one training step in place (PPO: critic is the critic, or None,
   and batch["minibatches"] [optimizer steps, minibatch size] the rows of each optimizer step in the run's
   order); `state`, a dict, is kept from step to step

@@ -95,6 +95,42 @@ def test_an_absolute_bound_counts_at_most_the_rows_own_size(verify_dumps, capsys
     assert code == 1 and rows(out)["per-token loss"].startswith("FAIL (beyond the known abs 1e+300, capped at"), out
 
 
+def test_an_accepted_gradient_must_keep_its_direction(verify_dumps, capsys, tmp_path):
+    """A gradient's small elements may change sign under a real difference; its direction may not (cosine 0.5)."""
+    body = (
+        "from verifier.calls import load_adapter\nours = load_adapter('self')\n"
+        "group_advantages = ours.group_advantages\n"
+        "def train_loss(model, batch, args, critic=None):\n    return -ours.train_loss(model, batch, args, critic)\n"
+        "def known_differences(args, options):\n"
+        "    return {'gradient': dict(why='x', where='y', bound=('rel', 1.0))}\n"
+    )
+    code, out, _ = run(
+        capsys, verify_dumps["plain"], "--against", write_adapter(tmp_path, body), "--accept", "gradient"
+    )
+    assert code == 1 and rows(out)["gradient"].startswith("FAIL (its direction is more than 60 degrees"), out
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (  # a value verify cannot read: the adapter's, not the dump's
+            "def group_advantages(batch, args):\n    return torch.zeros(len(batch['rewards']), device='meta')\n",
+            "group_advantages() returned a tensor that cannot be read as float32",
+        ),
+        (  # a model its update() left broken
+            "def update(model, batch, args, state):\n    model.get_output_embeddings().weight = None\n",
+            "the models its update() left cannot compute log-probs or values",
+        ),
+    ],
+)
+def test_a_mistake_past_the_adapters_call_is_the_adapters(verify_dumps, capsys, tmp_path, body, message):
+    """Exit status 3 naming the adapter, not 2 ("the dump is damaged")."""
+    head = "import torch\nfrom verifier.calls import load_adapter\nours = load_adapter('self')\n"
+    head += "group_advantages, per_token_loss = ours.group_advantages, ours.per_token_loss\n"
+    code, out, err = run(capsys, verify_dumps["grpo"], "--against", write_adapter(tmp_path, head + body))
+    assert code == 3 and "adapter 'mine'" in err and message in err and "damaged" not in err, err
+
+
 FUNCTIONS = ("group_advantages", "gae", "rewards", "kl_coef", "token_logprobs", "kl", "per_token_loss", "loss")
 NOT_IMPLEMENTED = "".join(
     f"def {name}(*args):\n    raise NotImplementedError('not in my code')\n"

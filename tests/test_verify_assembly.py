@@ -6,6 +6,7 @@ project's loss is exactly the KL's aggregation (the known difference it declares
 its loss is GRPOTrainer._compute_loss, its train_loss GRPOTrainer.compute_loss."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,17 @@ from verifier.calls import load_adapter
 from verifier.dump import inputs, load_dump, micro_batch, whole_batch
 
 OPENRLHF_GRPO = dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False)  # its settings
+
+
+@pytest.fixture(autouse=True)
+def peers_unloaded():
+    """The peers' modules loaded here are dropped after each test: verify's child processes are forks of this one,
+    and a later test's planted copy of a peer ($OPENRLHF_SITE) must be the one they load."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("openrlhf", "verl") or name.startswith("verify_adapter_"):
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def known_differences(args, options):
 
 
 def differences(args, options):
-    out = [spec["why"] for spec in known_differences(args, options).values()]
+    out = list(dict.fromkeys(spec["why"] for spec in known_differences(args, options).values()))
     if args["script"] == "ppo" and args["target_kl"] is not None and options["controller_kl"] == "summed":
         out.append(
             "kl_coef: OpenRLHF's controller is fed the summed KL per completion, as ppo.py feeds its own; OpenRLHF's "
