@@ -87,7 +87,7 @@ def test_openrlhf_grpo(verify_dumps, capsys, monkeypatch, tmp_path):
     code, out, _ = run(capsys, verify_dumps["grpo"], "--against", "openrlhf")
     assert code == 4 and out.splitlines()[-1].startswith("INCOMPLETE: compared log-probs of the adapter's"), out
     flags = dict(GRPO_RECIPE, scale_rewards="group", bias_corrected_kl=False)
-    dump = make_dump(tmp_path / "a", "grpo", **flags)
+    dump = make_dump(tmp_path / "a", "grpo", **flags, loss_agg="token-mean")  # OpenRLHF's default aggregation
     code, out, _ = run(capsys, dump, "--against", "openrlhf")
     assert code == 1 and rows(out)["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
     code, out, _ = run(capsys, dump, "--against", "openrlhf", "--accept", "advantages")

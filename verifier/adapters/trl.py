@@ -196,7 +196,10 @@ def _loss_from_stored(batch, args):
     inputs = dict(_prepare(batch), advantages=batch["advantages"], old_per_token_logps=batch["old_logp"])
     if "ref_logp" in batch:
         inputs["ref_per_token_logps"] = batch["ref_logp"]
-    trainer.current_gradient_accumulation_steps = 1  # the whole batch at once
+    # The whole batch at once, as one accumulation window: TRL's dapo divides by num_items_in_batch times the
+    # window's share of its generation batch (1 / steps_per_generation), so the count is scaled back.
+    trainer.current_gradient_accumulation_steps = 1
+    inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * trainer.args.steps_per_generation
     new_logp = batch["new_logp"].clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new_logp, torch.zeros_like(new_logp), None)
     captured = {}
