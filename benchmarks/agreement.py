@@ -169,7 +169,9 @@ def main():
                 adapter = verify.load_adapter(name)
                 options = verify.parse_options(adapter, pairs)
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    report, _ = verify.verify(args, steps, adapter, options, dict(verify.TOLERANCES), accept=accept)
+                    report, _ = verify.verify(
+                        args, steps, adapter, options, verify.parse_tolerances([], args["script"]), accept=accept
+                    )
                 failures = report.failures()
                 why = "<br>".join(adapter.differences(args, options)) if failures else ""
                 cells = " | ".join(cell(report, q) for q in verify.QUANTITIES)
