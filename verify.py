@@ -2,11 +2,11 @@
 
     python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-3 \\
         --clip-low 0.05 --clip-high 0.05 --beta 0.1 --max-new-tokens 4 --temperature 0.8 --weight-decay 1 \\
-        --dump-dir dumps/grpo                                                     # the recommended GRPO dump
+        --micro-batch-size 32 --dump-dir dumps/grpo                               # the recommended GRPO dump
     python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --prompts-per-step 16 --learning-rate 1e-2 \\
-        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1.2 \\
-        --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 \\
-        --dump-dir dumps/ppo                                                      # the recommended PPO dump
+        --critic-learning-rate 1e-2 --clip-low 0.05 --clip-high 0.05 --cliprange-value 0.01 --target-kl 1.9 \\
+        --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --micro-batch-size 4 --ent-coef 0.01 \\
+        --weight-decay 0.01 --dump-dir dumps/ppo                                   # the recommended PPO dump
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
     python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements/extra.txt)
     python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements/openrlhf.txt)
@@ -18,8 +18,9 @@ of different lengths (left padding) on a model with absolute positions (tiny-gpt
 the padding changes its log-probs, where rotary positions hide it), completions that end early and some without
 EOS, ratios away from 1 (GRPO: --num-iterations 2; PPO dumps its last update's first micro-batch), tokens clipped
 on both sides, values moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a
-temperature and a gamma other than 1, micro-batches smaller than their minibatch, weight decay and a clipped
-gradient norm. A row whose branch no step exercised says so ("never exercised: ..."), in place of a plain pass.
+temperature and a gamma other than 1, micro-batches smaller than their batch (GRPO) or minibatch (PPO), an entropy
+bonus (PPO), several optimizer steps a step, weight decay and a clipped gradient norm. A row whose branch no step
+exercised says so ("never exercised: ..."), and so does the PASS line, with every row it did not compare.
 
 Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
 positions; the table has one row per quantity (the largest difference over the steps), its tolerance, and the
@@ -35,16 +36,19 @@ result. A NaN or inf fails its row. Every row appears: pass, FAIL, "differs (kno
   kl              the KL term (GRPO) or penalty (PPO) to the reference, per token, from the stored log-probs
   per-token loss  from the stored log-probs, advantages (PPO: and values) of the dumped (micro-)batch
   loss            the aggregated loss
-  gradient        of the loss, from the replayed weights and the same batch (the strongest check)
-  update          GRPO: the adapter's own optimizer stepped from the initial weights through every step, its
-                  state carried over (AdamW, weight decay, the gradient's norm clipped), scored by the next
-                  step's stored log-probs (a warmup schedule is checked where the dump has --warmup-steps)
+  gradient        of the loss, from the replayed weights: train_loss called micro-batch by micro-batch and the
+                  gradients summed, as the loop accumulates them (GRPO: the whole batch; PPO: the dumped minibatch)
+  update          the adapter's own optimizer stepped from the initial weights through every step, its state carried
+                  over (AdamW, weight decay, the gradient's norm clipped; PPO: every minibatch, the critic too),
+                  scored by the next step's stored log-probs (PPO: and values), relative to how far this
+                  project's update moved them (a warmup schedule is checked where the dump has --warmup-steps)
 
 Exit status: 0 PASS: the advantages row and a loss row (per-token loss, loss or gradient) were compared, and every
 row compared passed or differs by a known difference accepted within its bound; 1 FAIL: a row failed; 2 bad input
 (the dump, its model, a flag); 3 a mistake in the adapter (it raises, exits, ends the process, does not compile,
-returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd); 4 INCOMPLETE: no
-row failed, but too little was compared for a pass (the line says what was and why the rest was skipped);
+returns None, a non-tensor, complex values or the wrong shape, a train_loss without autograd, a known
+difference without a bound or beyond the ceiling); 4 INCOMPLETE: no row failed, but too little was compared for a
+pass (the line says what was and why the rest was skipped);
 130 interrupted. The checks run in a child process (verifier/isolation.py): an adapter that ends it is exit 3
 (128 + N where a signal N killed it outside any adapter call: 137, out of memory).
 
@@ -60,14 +64,19 @@ entropy); token_logprobs gets the ids and masks alone. See verifier/adapters/sel
   rewards(batch, args) -> [N, T] (PPO)                kl_coef(batch, args) -> the next step's coefficient (PPO)
   token_logprobs(model, batch, args) -> [N, T]       kl(batch, args) -> [N, T]
   per_token_loss(batch, args) -> [N, T]              loss(batch, args) -> scalar
-  train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, whose gradient is compared
-  update(model, batch, args, state): one training step in place; `state`, a dict, is kept from step to step
+  train_loss(model, batch, args, critic=None) -> scalar tensor with autograd, called micro-batch by micro-batch:
+  its gradients, summed, are compared
+  update(model, batch, args, state[, critic]): one training step in place (PPO: critic is the critic, or None,
+  and batch["minibatches"] [optimizer steps, minibatch size] the rows of each optimizer step in the run's
+  order); `state`, a dict, is kept from step to step
   OPTIONS = {name: default}, changed by --set name=value; setup(args, options, model), called once with a
   copy of the initial policy; differences(args, options) -> lines printed under the table;
   known_differences(args, options) -> {quantity: dict(why=..., where="the peer's file, function",
   bound=("rel", 5e-2))}: `--accept QUANTITY` shows that row as "differs (known: ...)" while its largest difference
-  stays within the bound (measured as the tolerances are), every value is finite and no sign is flipped, and
-  fails it otherwise; an accepted row is never a pass, and the PASS line counts it apart.
+  stays within the bound (measured as the tolerances are; rel at most 1, an abs bound capped at the row's own
+  size), every value is finite and no sign is flipped (the gradient: its direction within 60 degrees of ours),
+  and fails it otherwise; an accepted row is never a pass, and the PASS line counts it apart.
+docs/verify.md lists each function's inputs and outputs, and what verify protects against and what it does not.
 """
 
 import argparse
@@ -143,6 +152,8 @@ def check_rewards(report, adapter, ref, step, d, batch, args):
         (~has_eos).any() and args["missing_eos_penalty"] > 0,
     )
     report.exercise("rewards", "a completion with EOS", has_eos.any())
+    scored_early = (d["token_scores"] != 0).any(1) & (mask[:, -1] == 0)  # where the score sits is not the last column
+    report.exercise("rewards", "a non-zero score on a completion that ends early", scored_early.any())
     report.exercise("rewards", EARLY, (mask[:, -1] == 0).any())
 
 
@@ -152,7 +163,7 @@ def check_pure(report, adapter, ref, step, d, args):
     check_advantages(report, adapter, step, d, batch, args)
     if args["script"] == "grpo":
         for q in ("rewards", "returns", "kl_coef"):
-            report.skip(q, "GRPO has none")
+            report.absent(q, "GRPO has none")
         loss_batch = batch
     else:
         check_rewards(report, adapter, ref, step, d, batch, args)
@@ -190,7 +201,9 @@ def check_pure(report, adapter, ref, step, d, args):
 def check_kl_coef(report, adapter, ref, steps, args):
     """PPO: each step's stored kl_coef from the previous step's batch, by the adapter's controller."""
     if args["script"] != "ppo" or args["target_kl"] is None:
-        return report.skip("kl_coef", "constant without --target-kl" if args["script"] == "ppo" else "GRPO has none")
+        if args["script"] != "ppo":
+            return report.absent("kl_coef", "GRPO has none")
+        return report.skip("kl_coef", "constant without --target-kl")
     for step in sorted(steps):
         if step + 1 not in steps:
             continue
@@ -218,16 +231,18 @@ def check_weights(report, adapter, ref, steps, args, initial, critic, notes):
         reached = check_grpo_weights(report, adapter, ref, steps, args, initial)
     else:
         reached = check_ppo_weights(report, adapter, ref, steps, args, initial, critic)
-    check_update(report, adapter, ref, steps, args, initial, reached)
+    check_update(report, adapter, ref, steps, args, initial, critic, reached)
     if report.status("replay") == "fail" and args.get("resume"):
         notes.append(f"the run was resumed from {args['resume']}: a flag changed on --resume replays otherwise")
 
 
 class Recomputing:
-    """An error of this project's own code on a dump it has accepted: one line naming the step, exit status 2."""
+    """An error of this project's own code on a dump it has accepted: one line naming the step, exit status 2; one
+    raised in the adapter's own file (past the calls' checks: an object it returned, a model it changed) is the
+    adapter's mistake, exit status 3."""
 
-    def __init__(self, where):
-        self.where = where
+    def __init__(self, where, adapter=None):
+        self.where, self.adapter = where, adapter
 
     def __enter__(self):
         return self
@@ -235,7 +250,15 @@ class Recomputing:
     def __exit__(self, kind, error, trace):
         if kind is None or issubclass(kind, (VerifyError, AdapterError, Interrupted, KeyboardInterrupt)):
             return False
-        frame = traceback.extract_tb(trace)[-1]  # where, should it be a mistake of verify's rather than the dump's
+        frames = traceback.extract_tb(trace)
+        source = getattr(self.adapter, "__file__", None)
+        if source and not getattr(self.adapter, "_verify_self", False):
+            if any(os.path.abspath(f.filename) == os.path.abspath(source) for f in frames):
+                raise AdapterError(
+                    f"adapter {self.adapter.label!r}: its code raised {kind.__name__} while verify worked on "
+                    f"{self.where} ({one_line(error)})"
+                ) from None
+        frame = frames[-1]  # where, should it be a mistake of verify's rather than the dump's
         raise VerifyError(
             f"this project cannot recompute {self.where} ({kind.__name__}: {one_line(error)}, in "
             f"{os.path.basename(frame.filename)}:{frame.lineno}): the dump is damaged or of another version; make "
@@ -265,11 +288,11 @@ def verify(args, steps, adapter, options, tolerances, models=None, accept=()):
     for quantity in accept:
         report.accept(quantity, known[quantity])
     for step in sorted(steps):
-        with Recomputing(f"step {step}"):
+        with Recomputing(f"step {step}", adapter):
             check_pure(report, adapter, ref, step, steps[step], args)
-    with Recomputing("the KL coefficients"):
+    with Recomputing("the KL coefficients", adapter):
         check_kl_coef(report, adapter, ref, steps, args)
-    with Recomputing("the weights (replaying the dump's updates)"):
+    with Recomputing("the weights (replaying the dump's updates)", adapter):
         check_weights(report, adapter, ref, steps, args, initial, critic, notes)
     return report, notes
 
@@ -296,8 +319,8 @@ def precision_note(args, meta, report):
 def run(opts):
     """The whole verification (in the child process of main): its output, and its exit status."""
     try:
-        tolerances = parse_tolerances(opts.tol)
         args, steps, notes, meta = load_dump(opts.dump_dir)
+        tolerances = parse_tolerances(opts.tol, args["script"])
         ref = load_adapter("self")
         try:  # before the adapter is imported: what it stubs cannot break the models' loading
             models = ref.initial_models(args)

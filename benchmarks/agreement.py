@@ -31,40 +31,26 @@ import ppo  # noqa: E402
 import verify  # noqa: E402
 from verifier.report import describe_known  # noqa: E402
 
-GROUP = dict(scale_rewards="group")
-# verify.py's recommended dumps (its docstring): every branch of every row exercised.
-GRPO_RECIPE = dict(
-    model="tiny-gpt2",
-    num_steps=3,
-    task="copy:1-3",
-    num_iterations=2,
-    learning_rate=1e-3,
-    clip_low=0.05,
-    clip_high=0.05,
-    beta=0.1,
-    max_new_tokens=4,
-    prompts_per_step=16,
-    group_size=8,
-    temperature=0.8,
-    weight_decay=1.0,
-)
-PPO_RECIPE = dict(
-    model="tiny-gpt2",
-    task="copy:1-3",
-    num_steps=3,
-    prompts_per_step=16,
-    learning_rate=1e-2,
-    critic_learning_rate=1e-2,
-    clip_low=0.05,
-    clip_high=0.05,
-    cliprange_value=0.01,
-    target_kl=1.2,
-    kl_horizon=100,
-    max_new_tokens=4,
-    temperature=0.8,
-    gamma=0.95,
-    micro_batch_size=4,
-)
+
+def recommended(script):
+    """verify.py's recommended dump of `script` (its docstring's command line), as Args fields: every branch of
+    every row exercised. Read from the docstring, so the table is always made from the dumps the docs recommend."""
+    text = verify.__doc__.replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.strip().startswith(f"python {script}.py"))
+    tokens = line.split("#")[0].split()[2:]
+    fields = {tokens[i][2:].replace("-", "_"): tokens[i + 1] for i in range(0, len(tokens), 2)}
+    fields.pop("dump_dir")
+    for key, value in fields.items():
+        for kind in (int, float):
+            try:
+                fields[key] = kind(value)
+                break
+            except ValueError:
+                pass
+    return fields
+
+
+GRPO_RECIPE, PPO_RECIPE = recommended("grpo"), recommended("ppo")
 PAPER = dict(GRPO_RECIPE, scale_rewards="group", bias_corrected_kl=False)
 MODES = {
     "GRPO, verify.py's recommended dump (batch std, ratio-weighted k3, seq-mean-token-mean)": ("grpo", GRPO_RECIPE),
@@ -129,6 +115,16 @@ REAL_DIFFERENCES = [
         "openrlhf/trainer/ppo_utils/experience_maker.py, compute_advantages_and_returns",
         "undocumented choice",
     ),
+    (
+        "OpenRLHF 0.11.2",
+        "loss",
+        "GRPO: the KL term is aggregated as a token mean whatever --actor.loss_agg_mode (the policy loss follows "
+        "the mode): on a seq-mean-token-mean dump the loss differs by beta x (token mean - sequence mean) of k3",
+        "openrlhf/trainer/ray/ppo_actor.py, training_step (aggregate_loss(kl, action_mask, **loss_batch_info)); "
+        "utils/loss_utils.py, get_loss_batch_info (no token_level_loss)",
+        "undocumented choice",
+    ),
+    ("OpenRLHF 0.11.2", "gradient", "the same KL aggregation, on the gradient", "as the loss", "undocumented choice"),
     (
         "SkyRL 0.4.0",
         "advantages",
@@ -261,7 +257,9 @@ def main():
                 chosen = verify.parse_options(adapter, pairs)
                 try:
                     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                        report, _ = verify.verify(args, steps, adapter, chosen, dict(verify.TOLERANCES), accept=accept)
+                        report, _ = verify.verify(
+                            args, steps, adapter, chosen, verify.parse_tolerances([], args["script"]), accept=accept
+                        )
                 except verify.AdapterError as e:  # verify.py's exit status 3: the adapter's own mistake, named
                     number = note_for(column, mode)(f"the adapter failed: {e}")
                     cells[column] = {q: f"**adapter error** [{number}]" for q in ROWS}

@@ -122,7 +122,7 @@ MISTAKES = {
     ),
     "ends the process": (
         "import os\ndef loss(batch, args):\n    os._exit(0)",
-        "adapter 'mine''s loss() ended verify's process (exit status 0; os._exit, a crash or a kill)",
+        "loss() of adapter 'mine' ended verify's process (exit status 0; os._exit, a crash or a kill)",
     ),
     "ends the process on import": (
         "import os\nos._exit(0)\ndef loss(batch, args):\n    return 1",
@@ -130,7 +130,7 @@ MISTAKES = {
     ),
     "is killed": (
         "import os, signal\ndef loss(batch, args):\n    os.kill(os.getpid(), signal.SIGKILL)",
-        "adapter 'mine''s loss() ended verify's process (killed by SIGKILL",
+        "loss() of adapter 'mine' ended verify's process (killed by SIGKILL",
     ),
 }
 
@@ -179,7 +179,7 @@ def test_a_child_ended_outside_an_adapter_call_gives_its_own_status(capsys):
 def test_ctrl_c_in_the_adapter(verify_dumps, capsys, tmp_path):
     adapter = write_adapter(tmp_path, "def loss(batch, args):\n    raise KeyboardInterrupt\n")
     code, out, err = run(capsys, verify_dumps["plain"], "--against", adapter)
-    assert code == 130 and err.strip() == "interrupted in adapter 'mine''s loss(): no result", err
+    assert code == 130 and err.strip() == "interrupted in loss() of adapter 'mine': no result", err
 
 
 def test_a_stub_at_import_does_not_break_the_models(verify_dumps, capsys, tmp_path):

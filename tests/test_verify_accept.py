@@ -40,7 +40,7 @@ def test_a_known_difference_within_its_bound_is_shown_and_counted_apart(verify_d
     expected = "differs (known: the std's eps is 1e-3 (mine.py, group_advantages); bound rel 5e-02) at step"
     assert code == 0 and rows(out)["advantages"].startswith(expected), out
     summary = out.splitlines()[-1]
-    assert summary.startswith("PASS: 2 rows within their tolerances (per-token loss, loss)")
+    assert summary.startswith("PASS: 2 of the adapter's rows within their tolerances (per-token loss, loss)")
     assert (
         "1 accepted as known differences, within their declared bounds and beyond the tolerance: advantages" in summary
     )
@@ -50,7 +50,7 @@ def test_a_known_difference_within_its_bound_is_shown_and_counted_apart(verify_d
 @pytest.mark.parametrize(
     "change, why",
     [
-        (dict(eps=0.5), "(beyond the known rel 5e-02)"),
+        (dict(eps=0.5), "(beyond the known rel 5e-02: at most"),
         (dict(sign=-1), "(a sign flipped: not the known difference)"),
         (dict(nan=True), "(NaN)"),
     ],
@@ -59,14 +59,17 @@ def test_an_accepted_row_fails_beyond_its_bound_on_nan_and_on_a_flipped_sign(
     verify_dumps, capsys, tmp_path, change, why
 ):
     code, out, _ = run(capsys, verify_dumps["grpo"], "--against", known(tmp_path, **change), "--accept", "advantages")
-    assert code == 1 and rows(out)["advantages"].startswith(f"FAIL {why} at step"), out
+    assert code == 1 and rows(out)["advantages"].startswith(f"FAIL {why}"), out
 
 
 @pytest.mark.parametrize(
     "declared, message",
     [
-        ("'eps differs'", "known_differences()['advantages'] is eps differs: declare each as dict(why="),
-        ("dict(why='eps', where='x.py', bound=('rel', -1))", "known_differences()['advantages'] is {"),
+        ("'eps differs'", "known_differences()['advantages'] is eps differs, without a why and a where"),
+        ("dict(why='eps', where='x.py', bound=('rel', -1))", "has the bound value -1, not a finite number >= 0"),
+        ("dict(why='eps', where='x.py', bound=('rel', 10**400))", "has the bound value 1000000"),
+        ("dict(why='eps', where='x.py', bound=('rel', 1e300))", "beyond the ceiling rel 1 (the row's own size)"),
+        ("dict(why='eps', where='x.py', bound=('rel', True))", "has the bound value True, not a finite number"),
         ("dict(why='eps', bound=('rel', 1e-2))", "keyed by one of advantages"),
     ],
 )
@@ -75,6 +78,57 @@ def test_a_known_difference_without_a_bound_is_an_adapter_mistake(verify_dumps, 
     body += f"    return {{'advantages': {declared}}}\n"
     code, out, err = run(capsys, verify_dumps["plain"], "--against", write_adapter(tmp_path, body))
     assert code == 3 and out == "" and message in err, err
+
+
+def test_an_absolute_bound_counts_at_most_the_rows_own_size(verify_dumps, capsys, tmp_path):
+    """A per-token loss 1000x ours under a declared abs 1e300: the bound is capped at the row's size, and fails."""
+    body = (
+        "from verifier.calls import load_adapter\nours = load_adapter('self')\n"
+        "group_advantages = ours.group_advantages\n"
+        "def per_token_loss(batch, args):\n    return 1000 * ours.per_token_loss(batch, args)\n"
+        "def known_differences(args, options):\n"
+        "    return {'per-token loss': dict(why='x', where='y', bound=('abs', 1e300))}\n"
+    )
+    code, out, _ = run(
+        capsys, verify_dumps["grpo"], "--against", write_adapter(tmp_path, body), "--accept", "per-token loss"
+    )
+    assert code == 1 and rows(out)["per-token loss"].startswith("FAIL (beyond the known abs 1e+300, capped at"), out
+
+
+def test_an_accepted_gradient_must_keep_its_direction(verify_dumps, capsys, tmp_path):
+    """A gradient's small elements may change sign under a real difference; its direction may not (cosine 0.5)."""
+    body = (
+        "from verifier.calls import load_adapter\nours = load_adapter('self')\n"
+        "group_advantages = ours.group_advantages\n"
+        "def train_loss(model, batch, args, critic=None):\n    return -ours.train_loss(model, batch, args, critic)\n"
+        "def known_differences(args, options):\n"
+        "    return {'gradient': dict(why='x', where='y', bound=('rel', 1.0))}\n"
+    )
+    code, out, _ = run(
+        capsys, verify_dumps["plain"], "--against", write_adapter(tmp_path, body), "--accept", "gradient"
+    )
+    assert code == 1 and rows(out)["gradient"].startswith("FAIL (its direction is more than 60 degrees"), out
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (  # a value verify cannot read: the adapter's, not the dump's
+            "def group_advantages(batch, args):\n    return torch.zeros(len(batch['rewards']), device='meta')\n",
+            "group_advantages() returned a tensor that cannot be read as float32",
+        ),
+        (  # a model its update() left broken
+            "def update(model, batch, args, state):\n    model.get_output_embeddings().weight = None\n",
+            "the models its update() left cannot compute log-probs or values",
+        ),
+    ],
+)
+def test_a_mistake_past_the_adapters_call_is_the_adapters(verify_dumps, capsys, tmp_path, body, message):
+    """Exit status 3 naming the adapter, not 2 ("the dump is damaged")."""
+    head = "import torch\nfrom verifier.calls import load_adapter\nours = load_adapter('self')\n"
+    head += "group_advantages, per_token_loss = ours.group_advantages, ours.per_token_loss\n"
+    code, out, err = run(capsys, verify_dumps["grpo"], "--against", write_adapter(tmp_path, head + body))
+    assert code == 3 and "adapter 'mine'" in err and message in err and "damaged" not in err, err
 
 
 FUNCTIONS = ("group_advantages", "gae", "rewards", "kl_coef", "token_logprobs", "kl", "per_token_loss", "loss")

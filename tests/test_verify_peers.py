@@ -75,7 +75,7 @@ def test_openrlhf_ppo(verify_dumps, capsys, monkeypatch):
     accepted = ("--set", "controller_kl=mean", "--accept", "kl_coef")
     code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "openrlhf", *accepted)
     assert code == 0 and rows(out)["kl_coef"].startswith("differs (known: OpenRLHF feeds"), out
-    assert "bound rel 6e-02" in rows(out)["kl_coef"], out
+    assert "bound rel 6.40e-02" in rows(out)["kl_coef"], out
 
 
 @pytest.mark.slow
@@ -87,11 +87,19 @@ def test_openrlhf_grpo(verify_dumps, capsys, monkeypatch, tmp_path):
     code, out, _ = run(capsys, verify_dumps["grpo"], "--against", "openrlhf")
     assert code == 4 and out.splitlines()[-1].startswith("INCOMPLETE: compared log-probs of the adapter's"), out
     flags = dict(GRPO_RECIPE, scale_rewards="group", bias_corrected_kl=False)
-    dump = make_dump(tmp_path / "a", "grpo", **flags)
+    dump = make_dump(tmp_path / "a", "grpo", **flags, loss_agg="token-mean")  # OpenRLHF's default aggregation
     code, out, _ = run(capsys, dump, "--against", "openrlhf")
     assert code == 1 and rows(out)["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
     code, out, _ = run(capsys, dump, "--against", "openrlhf", "--accept", "advantages")
     assert code == 0 and rows(out)["advantages"].startswith("differs (known: group_norm divides by std + 1e-9"), out
-    code, out, _ = run(capsys, make_dump(tmp_path / "b", "grpo", **flags, adv_eps=1e-9), "--against", "openrlhf")
+    # its KL term is a token mean whatever the policy loss's mode: on seq-mean-token-mean the loss and gradient
+    # differ (a known difference, accepted within its bound); on token-mean, OpenRLHF's default, nothing does
+    dump = make_dump(tmp_path / "b", "grpo", **flags, adv_eps=1e-9)
+    code, out, _ = run(capsys, dump, "--against", "openrlhf")
+    assert code == 1 and out.splitlines()[-1] == "FAIL: loss, gradient" and rows(out)["per-token loss"] == "pass"
+    code, out, _ = run(capsys, dump, "--against", "openrlhf", "--accept", "loss", "--accept", "gradient")
+    assert code == 0 and rows(out)["gradient"].startswith("differs (known: OpenRLHF adds its GRPO KL term"), out
+    dump = make_dump(tmp_path / "c", "grpo", **flags, adv_eps=1e-9, loss_agg="token-mean")
+    code, out, _ = run(capsys, dump, "--against", "openrlhf")
     expected = ["advantages", "log-probs", "kl", "per-token loss", "loss", "gradient"]
     assert code == 0 and all(rows(out)[q] == "pass" for q in expected), out

@@ -220,10 +220,9 @@ def test_a_bug_planted_in_openrlhf_fails_its_rows(verify_dumps, capsys, tmp_path
     file, find, replace, script, caught = OPENRLHF[bug]
     monkeypatch.setenv("OPENRLHF_SITE", planted_site(tmp_path, file, find, replace))
     dump = verify_dumps[script]
-    if script == "grpo":  # OpenRLHF's GRPO: the group's std with its eps, the paper's k3
-        dump = make_dump(
-            tmp_path, "grpo", **dict(GRPO_RECIPE, scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False)
-        )
+    if script == "grpo":  # OpenRLHF's GRPO: the group's std with its eps, the paper's k3, its token-mean loss
+        flags = dict(scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False, loss_agg="token-mean")
+        dump = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, **flags))
     code, out, _ = run(capsys, dump, "--against", "openrlhf")
     assert_caught(code, out, caught)
     if script == "grpo":

@@ -23,6 +23,7 @@ GRPO_RECIPE = dict(
     max_new_tokens=4,
     temperature=0.8,
     weight_decay=1.0,  # lr * weight_decay 1e-3 a step: forgetting it moves the next log-probs by ~1e-2
+    micro_batch_size=32,  # 4 micro-batches of the 128 completions: the loss's accumulation is compared
 )
 PPO_RECIPE = dict(
     model="tiny-gpt2",
@@ -34,12 +35,14 @@ PPO_RECIPE = dict(
     clip_low=0.05,
     clip_high=0.05,
     cliprange_value=0.01,
-    target_kl=1.2,
+    target_kl=1.9,  # the summed KL of step 2 is 2.0: an error within +-0.2 (step 1's: -1, clipped)
     kl_horizon=100,
     max_new_tokens=4,
     temperature=0.8,
     gamma=0.95,
     micro_batch_size=4,
+    ent_coef=0.01,  # an entropy bonus: its sign and aggregation are compared
+    weight_decay=0.01,
 )
 # A one-step GRPO dump of the tiny model at the defaults (ratio 1, KL 0): the rows say what it never exercised.
 PLAIN = dict(seed=3, prompts_per_step=3, group_size=4, max_new_tokens=4, num_steps=1)

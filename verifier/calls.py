@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from verifier.report import QUANTITIES, AdapterError, Interrupted, VerifyError, one_line
+from verifier.report import CEILING, QUANTITIES, AdapterError, Interrupted, VerifyError, one_line
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SELF = os.path.join(ROOT, "adapters", "self.py")
@@ -103,19 +103,35 @@ def known_differences(adapter, args, options):
     if not isinstance(declared, dict):
         raise AdapterError(f"adapter {adapter.label!r}: known_differences() returned {type(declared).__name__}")
     for quantity, spec in declared.items():
-        bound = spec.get("bound") if isinstance(spec, dict) else None
-        if (
-            quantity not in QUANTITIES
-            or not isinstance(spec, dict)
-            or not all(isinstance(spec.get(k), str) and spec[k] for k in ("why", "where"))
-            or not (isinstance(bound, (tuple, list)) and len(bound) == 2 and bound[0] in ("abs", "rel"))
-            or not (isinstance(bound[1], (int, float)) and math.isfinite(bound[1]) and bound[1] >= 0)
-        ):
+        try:
+            problem = known_problem(quantity, spec)
+        except Exception as e:  # a value no check foresaw: the adapter's mistake all the same
+            problem = f"cannot be read ({type(e).__name__}: {one_line(e)})"
+        if problem:
             raise AdapterError(
-                f"adapter {adapter.label!r}: known_differences()[{quantity!r}] is {str(spec)[:80]}: declare each as "
+                f"adapter {adapter.label!r}: known_differences()[{str(quantity)[:40]!r}] {problem}: declare each as "
                 f"{example}, keyed by one of {', '.join(QUANTITIES)}"
             )
     return declared
+
+
+def known_problem(quantity, spec):
+    """What is wrong with one declared known difference, or None. A bound is a finite number >= 0, and a relative
+    one at most CEILING: a difference larger than the row's own values is another quantity, not a difference."""
+    if quantity not in QUANTITIES:
+        return "is keyed by no row of the table"
+    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) and spec[k] for k in ("why", "where")):
+        return f"is {str(spec)[:80]}, without a why and a where (text)"
+    bound = spec.get("bound")
+    if not (isinstance(bound, (tuple, list)) and len(bound) == 2 and bound[0] in ("abs", "rel")):
+        return f"has the bound {str(bound)[:40]}, not (kind, value) with kind 'abs' or 'rel'"
+    value = bound[1]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (0 <= value < math.inf) or (isinstance(value, int) and value.bit_length() > 1000):
+        return f"has the bound value {str(value)[:40]}, not a finite number >= 0"
+    if bound[0] == "rel" and value > CEILING:
+        return f"has the bound rel {value:.3g}, beyond the ceiling rel {CEILING:g} (the row's own size): implausible"
+    return None
 
 
 def call(adapter, name, *args):
@@ -133,13 +149,13 @@ def call(adapter, name, *args):
         else a
         for a in args
     ]
-    mark(f"adapter {adapter.label!r}'s {name}()")
+    mark(f"{name}() of adapter {adapter.label!r}")
     try:
         out = fn(*args)
     except NotImplementedError as e:
         return None, str(e) or f"{name}() is not implemented for this run"
     except KeyboardInterrupt:
-        raise Interrupted(f"in adapter {adapter.label!r}'s {name}()") from None
+        raise Interrupted(f"in {name}() of adapter {adapter.label!r}") from None
     except SystemExit as e:
         raise AdapterError(f"adapter {adapter.label!r}: {name}() called sys.exit({e.code!r})") from None
     except Exception as e:
@@ -170,7 +186,13 @@ def as_tensor(adapter, name, value):
         raise AdapterError(
             f"adapter {adapter.label!r}: {name}() returned complex values ({tensor.dtype}): return reals"
         )
-    return tensor.float().cpu()
+    try:
+        return tensor.float().cpu()
+    except Exception as e:  # a tensor with no values to read (the meta device), or of a dtype with no float
+        raise AdapterError(
+            f"adapter {adapter.label!r}: {name}() returned a tensor that cannot be read as float32 on the CPU "
+            f"({type(e).__name__}: {one_line(e)})"
+        ) from None
 
 
 def compare(report, quantity, step, adapter, fn, value, expected, mask=None, what="", scale=None):

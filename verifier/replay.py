@@ -16,38 +16,49 @@ from verifier.report import EARLY, loss_conditions, one_line
 WEIGHT_ROWS = ("replay", "log-probs", "gradient", "update")
 
 
-def gradients(loss_fn, models):
-    for model in models:
-        model.zero_grad(set_to_none=True)
-        model.train()
-    loss_fn().backward()
+def counts(batch):
+    """The loss's denominators of a whole batch: its sequences and real tokens."""
+    return batch["num_seqs"], batch["num_tokens"]
+
+
+def flat_gradients(models):
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
     return torch.cat([g.flatten() for g in grads])
 
 
-def adapter_gradients(adapter, models, batch, args):
-    """The gradient of the adapter's train_loss, or None and why it was skipped."""
+def accumulated(loss_fn, models, micros):
+    """The gradient of loss_fn(micro) summed over the micro-batches, as the loop accumulates it."""
     for model in models:
         model.zero_grad(set_to_none=True)
         model.train()
-    out, why = call(adapter, "train_loss", models[0], batch, args, *models[1:])
-    if out is None:
-        return None, why
-    if not (torch.is_tensor(out) and out.numel() == 1 and out.requires_grad):
-        what = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
-        what += "" if not torch.is_tensor(out) or out.requires_grad else " without autograd (requires_grad False)"
-        raise AdapterError(
-            f"adapter {adapter.label!r}: train_loss() returned {what}: return the scalar loss tensor "
-            "before .item() or .detach()"
-        )
-    try:
-        out.reshape(()).backward()
-    except Exception as e:
-        raise AdapterError(
-            f"adapter {adapter.label!r}: train_loss()'s backward raised {type(e).__name__}: {one_line(e)}"
-        ) from None
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
-    return torch.cat([g.flatten() for g in grads]), None
+    for micro in micros:
+        loss_fn(micro).backward()
+    return flat_gradients(models)
+
+
+def adapter_gradients(adapter, models, micros, args):
+    """The gradient of the adapter's train_loss, accumulated over the micro-batches, or None and why it was skipped."""
+    for model in models:
+        model.zero_grad(set_to_none=True)
+        model.train()
+    for micro in micros:
+        out, why = call(adapter, "train_loss", models[0], micro, args, *models[1:])
+        if out is None:
+            return None, why
+        if not (torch.is_tensor(out) and out.numel() == 1 and out.requires_grad):
+            what = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+            what += "" if not torch.is_tensor(out) or out.requires_grad else " without autograd (requires_grad False)"
+            raise AdapterError(
+                f"adapter {adapter.label!r}: train_loss() returned {what}: return the scalar loss tensor "
+                "before .item() or .detach()"
+            )
+        try:
+            out.reshape(()).backward()
+        except Exception as e:
+            raise AdapterError(
+                f"adapter {adapter.label!r}: train_loss()'s backward raised {type(e).__name__}: {one_line(e)}"
+            ) from None
+    return flat_gradients(models), None
 
 
 def check_logprobs(report, adapter, step, model, batch, expected, what, args, initial=None):
@@ -67,15 +78,27 @@ def check_logprobs(report, adapter, step, model, batch, expected, what, args, in
     report.exercise("log-probs", "a temperature other than 1", args["temperature"] != 1)
 
 
-def check_gradient(report, adapter, ref, step, batch, args, models):
-    given = inputs("train_loss", batch, args)
-    ours = gradients(lambda: ref.train_loss(models[0], given, args, *models[1:]), models)
-    if args["script"] == "grpo":
-        report.exercise("update", "the gradient's norm clipped", ours.norm() > args["max_grad_norm"])
-    theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], given, args)
+def micro_batches(batch, rows, size, num_seqs, num_tokens):
+    """The loop's micro-batches of `rows` (an index tensor) of `batch`, each with the loss's denominators."""
+    return [
+        dict(select_rows(batch, rows[i : i + size]), num_seqs=num_seqs, num_tokens=num_tokens)
+        for i in range(0, len(rows), size)
+    ]
+
+
+def check_gradient(report, adapter, ref, step, micros, args, models, dumped):
+    """The adapter's train_loss called micro-batch by micro-batch and its gradients summed, as the loop does, against
+    this project's; `dumped`: the batch the dump's stored outputs are of (what the branches are read from)."""
+    micros = [inputs("train_loss", micro, args) for micro in micros]
+    ours = accumulated(lambda micro: ref.train_loss(models[0], micro, args, *models[1:]), models, micros)
+    report.exercise("update", "the gradient's norm clipped", ours.norm() > args["max_grad_norm"])
+    theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], micros, args)
     if theirs is not None:
         report.add("gradient", step, theirs, ours)
-        loss_conditions(report, ["gradient"], ref, inputs("loss", batch, args), args)
+        loss_conditions(report, ["gradient"], ref, inputs("loss", dumped, args), args)
+        if args["script"] == "grpo":  # PPO's loss rows say it: "a micro-batch smaller than its minibatch"
+            more = "more than one micro-batch (--micro-batch-size below the batch)"
+            report.exercise("gradient", more, len(micros) > 1)
     report.skip("gradient", why)
 
 
@@ -148,7 +171,11 @@ def check_grpo_weights(report, adapter, ref, steps, args, initial):
         if mu > 1 and not replayed(report, ref, step, (policy, None), whole_batch(d, args), ("new_logp", None), args):
             return stopped(report, step, MISMATCH)
         check_logprobs(report, adapter, step, policy, whole_batch(d, args), d["new_logp"], "new_logp", args, initial)
-        check_gradient(report, adapter, ref, step, whole_batch(d, args), args, [policy])
+        whole = whole_batch(d, args)
+        micros = micro_batches(
+            whole, torch.arange(len(whole["completion_mask"])), args["micro_batch_size"], *counts(whole)
+        )
+        check_gradient(report, adapter, ref, step, micros, args, [policy], whole)
         replay_grpo(ref, policy, opt, batch, args, 1)
         scheduler.step()
     return None
@@ -178,30 +205,65 @@ def check_ppo_weights(report, adapter, ref, steps, args, initial, critic):
                 if not replayed(report, ref, step, (policy, critic), micro, ("new_logp", "new_values"), args):
                     return stopped(report, step, MISMATCH)
                 check_logprobs(report, adapter, step, policy, micro, d["new_logp"], "new_logp", args)
-                check_gradient(report, adapter, ref, step, micro, args, [m for m in (policy, critic) if m is not None])
+                tokens = int(batch["completion_mask"][minibatch].sum())
+                micros = micro_batches(batch, minibatch, args["micro_batch_size"], len(minibatch), tokens)
+                models = [m for m in (policy, critic) if m is not None]
+                check_gradient(report, adapter, ref, step, micros, args, models, micro)
             replay_ppo_update(ref, opt, policy, critic, inputs("train_loss", batch, args), minibatch, args)
         scheduler.step()
     return None
 
 
-def check_update(report, adapter, ref, steps, args, initial, reached):
-    """GRPO: the adapter's optimizer, its state kept, from the initial weights through the steps the replay
-    reached (`reached`: the first it did not, or None)."""
-    if args["script"] == "ppo":
-        return report.skip("update", "PPO: its updates are replayed by this project's optimizer (gradient row)")
+def scored(ref, models, batch, args):
+    """What the update row reads of the models on `batch`: the policy's log-probs and (PPO) the critic's values."""
+    with torch.no_grad():
+        out = [ref.token_logprobs(copy.deepcopy(models[0]).eval(), batch, args)]
+        if len(models) > 1:
+            out.append(ref.token_values(copy.deepcopy(models[1]).eval(), batch, args))
+    return out
+
+
+def check_update(report, adapter, ref, steps, args, initial, critic, reached):
+    """The adapter's update(): its own optimizer, its state kept, from the initial models through the steps the
+    replay reached (`reached`: the first it did not, or None). Scored by the next step's stored log-probs (PPO: and
+    values), each relative to how far this project's update moved them from where the adapter's models started."""
     if not hasattr(adapter, "update"):
         return report.skip("update", "adapter has no update()")
-    model, state = copy.deepcopy(initial), {}
+    ppo = args["script"] == "ppo"
+    models = [copy.deepcopy(initial)] + ([copy.deepcopy(critic)] if ppo and critic is not None else [])
+    state = {}
     for step in sorted(steps):
         if step + 1 not in steps or (reached is not None and step + 1 >= reached):
             break
-        _, why = call(adapter, "update", model, inputs("update", whole_batch(steps[step], args), args), args, state)
+        d, following = steps[step], whole_batch(steps[step + 1], args)
+        if ppo and "minibatches" not in d:
+            return report.skip("update", "the dump has no minibatches (made by an older version)")
+        before = scored(ref, models, following, args)
+        batch = inputs("update", whole_batch(d, args), args)
+        if ppo:  # the minibatches' rows in the order the run took them: [update_epochs * num_minibatches, size]
+            batch["minibatches"] = d["minibatches"].view(-1, len(d["minibatch_index"]))
+        extra = [models[1] if len(models) > 1 else None] if ppo else []  # update(model, batch, args, state, critic)
+        _, why = call(adapter, "update", models[0], batch, args, state, *extra)
         if why:
             return report.skip("update", why)
-        following = whole_batch(steps[step + 1], args)
-        with torch.no_grad():
-            after = ref.token_logprobs(copy.deepcopy(model).eval(), following, args)
-        report.add("update", step, after, following["old_logp"], following["completion_mask"], "old_logp")
+        try:
+            now = scored(ref, models, following, args)
+        except Exception as e:
+            raise AdapterError(
+                f"adapter {adapter.label!r}: the models its update() left cannot compute log-probs or values "
+                f"({type(e).__name__}: {one_line(e)})"
+            ) from None
+        mask = following["completion_mask"].bool()
+        stored = [following["old_logp"], following["values"]] if ppo else [following["old_logp"]]
+        for after, start, expected, what in zip(now, before, stored, ("old_logp", "values")):
+            moved = (expected - start)[mask].abs().max().item()
+            if moved == 0:  # nothing moved (a learning rate of 0): the difference itself
+                moved = 1.0
+            report.add("update", step, after / moved, expected / moved, mask, what, scale=1.0)
         report.exercise("update", "a step after the first (the optimizer's state carried over)", step > 1)
         report.exercise("update", "weight decay", args["weight_decay"] > 0)
+        micro = args["micro_batch_size"] < (len(mask) if not ppo else len(batch["minibatches"][0]))
+        report.exercise("update", "more than one micro-batch an optimizer step", micro)
+        per_step = len(batch["minibatches"]) if ppo else args["num_iterations"]
+        report.exercise("update", "more than one optimizer step a training step", per_step > 1)
     report.skip("update", "needs two consecutive steps")

@@ -22,6 +22,7 @@ RESUME_EXACT = ["tests/test_resume_exact.py"]
 GRADIENTS_GRPO = ["tests/test_gradients.py", "-k", "grpo"]
 GRADIENTS_PPO = ["tests/test_gradients.py", "-k", "ppo"]
 VERIFY_TOLERANCES = ["tests/test_verify_tolerances.py"]
+VERIFY_BRANCHES = ["tests/test_verify_branches.py"]
 DYNAMIC = ["tests/test_dynamic_sampling.py"]
 CAUSAL = ["tests/test_dense.py", "-k", "not_causal"]
 GROUP_LOGS = ["tests/test_explained_variance.py"]
@@ -578,6 +579,38 @@ MUTANTS = [
             "            )"
         ),
         replace="pass",
+    ),
+    dict(
+        name="verify-gradient-not-accumulated",
+        file="verifier/replay.py",
+        tests=VERIFY_BRANCHES,
+        what="GRPO's gradient row calls train_loss on the whole batch: a loss normalised per micro-batch passes it",
+        find='args["micro_batch_size"], *counts(whole)',
+        replace='len(whole["completion_mask"]), *counts(whole)',
+    ),
+    dict(
+        name="verify-ppo-update-skipped",
+        file="verifier/replay.py",
+        tests=VERIFY_BRANCHES,
+        what="PPO's update row skipped: an optimizer that never steps passes",
+        find='    if not hasattr(adapter, "update"):',
+        replace='    if not hasattr(adapter, "update") or args["script"] == "ppo":',
+    ),
+    dict(
+        name="verify-pass-line-hides-never-exercised",
+        file="verifier/report.py",
+        tests=VERIFY_BRANCHES,
+        what="the PASS line leaves out the branches the dump never exercised",
+        find="        if missed:",
+        replace="        if missed and False:",
+    ),
+    dict(
+        name="verify-openrlhf-kl-coefficient",
+        file="verifier/adapters/openrlhf.py",
+        tests=["tests/test_verify_assembly.py"],
+        what="the OpenRLHF adapter hands training_step twice the KL coefficient",
+        find='kl_ctl = args.get("beta", 0.0) if grpo else 0.0',
+        replace='kl_ctl = 2 * args.get("beta", 0.0) if grpo else 0.0',
     ),
     dict(
         name="gguf-cache-by-path",

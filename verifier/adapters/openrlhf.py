@@ -1,107 +1,36 @@
-"""OpenRLHF 0.11.2's own advantage, reward, KL, log-prob and loss code as a verify.py adapter (GRPO and PPO).
+"""OpenRLHF 0.11.2's own advantage, reward, KL, log-prob and training-step code as a verify.py adapter (GRPO, PPO).
 
     pip install --no-deps --target .openrlhf-site -r requirements/openrlhf.txt    # a folder of its own
     python verify.py DUMP --against openrlhf         # found in .openrlhf-site, or the folder $OPENRLHF_SITE names
 
 What is called, unchanged (read in .openrlhf-site/openrlhf):
-  advantages, returns  RemoteExperienceMaker.compute_advantages_and_returns (trainer/ppo_utils/experience_maker.py):
-                       GRPO: estimator group_norm (or dr_grpo without the std), PPO: gae, with its whitening
-  rewards              models/utils.py compute_reward (score at the last action-mask position, - kl_coef * kl)
-  kl                   models/utils.py compute_approx_kl (k1, k2, k3)
-  losses               models/loss.py PolicyLoss and ValueLoss, reduced by their aggregate_loss; GRPO adds
-                       beta * aggregate_loss(compute_approx_kl(k3)) as its actor does (trainer/ray/ppo_actor.py)
+  advantages, returns  trainer/ppo_utils/experience_maker.py RemoteExperienceMaker.compute_advantages_and_returns
+                       (GRPO: group_norm, or dr_grpo without the std; PPO: gae, with its whitening)
+  rewards, kl          models/utils.py compute_reward (score at the last action-mask position) and compute_approx_kl
+  losses               trainer/ray/ppo_actor.py ActorPPOTrainer.training_step (policy loss + kl_ctl * KL as a token
+                       mean - entropy_coef * entropy) and ppo_critic.py CriticPPOTrainer.training_step (value loss),
+                       on a stand-in `self` whose strategy keeps the loss it is handed to backpropagate
   kl_coef              trainer/ppo_utils/kl_controller.py AdaptiveKLController.update, fed the summed KL of each
-                       completion as ppo.py feeds its controller; --set controller_kl=mean feeds it as OpenRLHF's
-                       ppo_trainer.py does (a known difference: --accept kl_coef)
-  log-probs            models/actor.py Actor.forward around the model: its position ids, its shift, its
-                       temperature and log_probs_from_logits (the gradient row's log-probs too)
+                       completion as ppo.py feeds its own; --set controller_kl=mean as ppo_trainer.py feeds it
+  log-probs            models/actor.py Actor.forward around the model (the gradient row's log-probs too)
 
-OpenRLHF's package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules above are loaded one
-by one instead, with `deepspeed` (imported, unused, by models/utils.py), ray's launcher (imported by the
-experience maker) and flash-attn (imported by models/ring_attn_utils.py, for packed samples only) stubbed while
-they load. Nothing of OpenRLHF is copied here. The critic's values come from this project's critic (OpenRLHF's is
-its engine's model); the PPO loss is policy + vf_coef * value loss (OpenRLHF trains its critic apart: its own
-loss, unscaled). There is no `update`: OpenRLHF's optimizer is DeepSpeed's, not a function.
+OpenRLHF's package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules above are loaded one by
+one instead, with what they import for their engines stubbed while they load. Nothing of OpenRLHF is copied here.
+The critic's values come from this project's critic (OpenRLHF's is its engine's model); the PPO loss is the actor's
++ vf_coef * the critic's (OpenRLHF steps its critic apart, on its loss unscaled). There is no `update`: OpenRLHF's
+optimizer is DeepSpeed's engine, not a function.
 """
 
-import contextlib
 import functools
-import importlib
-import os
-import sys
 import types
 
 import torch
 
-CHECKOUT_SITE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".openrlhf-site"
+from verifier import openrlhf_site
+
+(utils, loss_module, actor_module, experience_maker, kl_controller, loss_utils, experience, ppo_actor, ppo_critic) = (
+    openrlhf_site.load()
 )
-FLASH_ATTN = {  # what models/ring_attn_utils.py imports of flash-attn (used for packed samples only)
-    "flash_attn": (),
-    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-    "flash_attn.utils": (),
-    "flash_attn.utils.distributed": ("all_gather",),
-}
-PACKAGES = [
-    "openrlhf",
-    "openrlhf.models",
-    "openrlhf.utils",
-    "openrlhf.trainer",
-    "openrlhf.trainer.ppo_utils",
-    "openrlhf.trainer.ray",
-]
-
-
-@contextlib.contextmanager
-def _stubbed(names):
-    """Empty modules for `names` while OpenRLHF's files load, then sys.modules as it was for them."""
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        yield {name: sys.modules[name] for name in names}
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
-def _load():
-    """OpenRLHF's modules, from $OPENRLHF_SITE when set, else the first of sys.path or .openrlhf-site holding it."""
-    chosen = os.environ.get("OPENRLHF_SITE")
-    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
-    root = next((p for p in candidates if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None)
-    if root is None:
-        raise ImportError(
-            f"no openrlhf in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps "
-            "--target .openrlhf-site -r requirements/openrlhf.txt"
-        )
-    for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [os.path.join(root, *name.split("."))]
-            sys.modules[name] = package
-    with _stubbed(["deepspeed", "ray", "openrlhf.trainer.ray.launcher", *FLASH_ATTN]) as stubs:
-        stubs["openrlhf.trainer.ray.launcher"].RayActorGroup = object
-        for name, attributes in FLASH_ATTN.items():
-            for attribute in attributes:
-                setattr(stubs[name], attribute, None)
-        modules = [
-            importlib.import_module(f"openrlhf.{m}")
-            for m in (
-                "models.utils",
-                "models.loss",
-                "models.actor",
-                "trainer.ppo_utils.experience_maker",
-                "trainer.ppo_utils.kl_controller",
-            )
-        ]
-    return modules
-
-
-utils, loss_module, actor_module, experience_maker, kl_controller = _load()
 OPTIONS = {"controller_kl": "summed"}  # what AdaptiveKLController is fed: ppo.py's (summed) or OpenRLHF's (mean)
 
 
@@ -127,13 +56,24 @@ def known_differences(args, options):
             "coefficients differ by at most 0.4 * N / kl_horizon (a controller bug smaller than that passes: "
             "check it with the default --set controller_kl=summed)",
             where="trainer/ppo_trainer.py, status['kl'] into kl_controller.py's update",
-            bound=("rel", 0.4 * n / args["kl_horizon"]),
+            bound=("rel", min(0.4 * n / args["kl_horizon"], 1.0)),
         )
+    if args["script"] == "grpo" and args["beta"] > 0 and args["loss_agg"] != "token-mean":
+        why = (
+            "OpenRLHF adds its GRPO KL term as a token mean whatever --actor.loss_agg_mode says (its loss_batch_info "
+            f"carries no token_level_loss), grpo.py aggregates it by --loss-agg {args['loss_agg']} like the policy "
+            "loss; the per-token loss agrees (a dump with --loss-agg token-mean, OpenRLHF's default, matches)"
+        )
+        where = "trainer/ray/ppo_actor.py, training_step: aggregate_loss(kl, action_mask, **loss_batch_info)"
+        # Measured on the recommended dump with OpenRLHF's settings: loss 1.5e-3 of the largest per-token loss,
+        # gradient 0.38 of its largest element (the KL's gradient is the whole difference: up to the ceiling).
+        out["loss"] = dict(why=why, where=where, bound=("rel", 0.05))
+        out["gradient"] = dict(why=why, where=where, bound=("rel", 1.0))
     return out
 
 
 def differences(args, options):
-    out = [spec["why"] for spec in known_differences(args, options).values()]
+    out = list(dict.fromkeys(spec["why"] for spec in known_differences(args, options).values()))
     if args["script"] == "ppo" and args["target_kl"] is not None and options["controller_kl"] == "summed":
         out.append(
             "kl_coef: OpenRLHF's controller is fed the summed KL per completion, as ppo.py feeds its own; OpenRLHF's "
@@ -274,51 +214,133 @@ def token_logprobs(model, batch, args):
     return actor(sequences, action_mask=batch["completion_mask"], attention_mask=attention_mask)
 
 
-def _losses(new_logp, batch, args, mask, new_values=None, denominators=None):
-    """The actor's loss (+ beta * KL loss for GRPO, + vf_coef * value loss for PPO), reduced as OpenRLHF does."""
+class _Strategy:
+    """The strategy training_step calls: its backward keeps the loss (verify backpropagates it), no step."""
+
+    ring_attn_group = None
+
+    def backward(self, loss, model, optimizer):
+        self.loss = loss
+
+    def optimizer_step(self, *args, **kwargs):
+        pass
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+
+class _Stored(torch.nn.Module):
+    """An actor (or critic) that returns the dump's stored outputs, in OpenRLHF's (values, output) form."""
+
+    def __init__(self, values, entropy=None):
+        super().__init__()
+        self.values, self.entropy = values, entropy
+
+    def forward(self, *args, **kwargs):
+        return self.values, types.SimpleNamespace(entropy=self.entropy)
+
+
+class _Critic(torch.nn.Module):
+    """This project's critic in the form OpenRLHF's critic trainer calls (OpenRLHF's is its engine's model)."""
+
+    def __init__(self, critic):
+        super().__init__()
+        self.critic = critic
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, **kwargs):
+        T = action_mask.shape[1]
+        return self.critic(sequences, attention_mask)[:, -T - 1 : -1] * action_mask, None
+
+
+def _training_steps(args, batch, mask, actor, critic=None, token_level=None):
+    """The loss OpenRLHF backpropagates for this batch: ActorPPOTrainer.training_step's (trainer/ray/ppo_actor.py:
+    policy loss + kl_ctl * aggregate_loss(kl) - entropy_coef * aggregate_loss(entropy)) and, for PPO, vf_coef *
+    CriticPPOTrainer.training_step's value loss (ppo_critic.py). Both run as OpenRLHF's code is, on a stand-in
+    `self` that holds only what they read; `mask` is the action mask (a float with a gradient for per_token_loss)."""
     _unsupported(args)
-    token_level = args["script"] == "ppo" or args["loss_agg"] == "token-mean"
-    reduce = denominators or dict(batch_num_tokens=batch["num_tokens"], global_batch_size=batch["num_seqs"])
-    policy_loss = loss_module.PolicyLoss(args["clip_low"], args["clip_high"], token_level_loss=token_level)
-    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
-    advantages = batch["advantages"]
-    if args["script"] == "grpo":
-        advantages = advantages[:, None].expand_as(new_logp)
-    total = policy_loss(new_logp, old_logp, advantages, action_mask=mask, **reduce)[0]
-    if args["script"] == "grpo" and args["beta"] > 0:
-        k3 = utils.compute_approx_kl(new_logp, batch["ref_logp"], log_probs_old=old_logp, kl_estimator="k3")
-        total = total + args["beta"] * loss_module.aggregate_loss(k3, mask, token_level, **reduce)
-    if args["script"] == "ppo":
-        value_loss = loss_module.ValueLoss(clip_eps=args["cliprange_value"], token_level_loss=True)
-        total = total + args["vf_coef"] * value_loss(new_values, batch["values"], batch["returns"], mask, **reduce)
+    grpo = args["script"] == "grpo"
+    if token_level is None:
+        token_level = not grpo or args["loss_agg"] == "token-mean"  # OpenRLHF's --actor.loss_agg_mode
+    strategy = _Strategy()
+    config = types.SimpleNamespace(
+        algo=types.SimpleNamespace(
+            kl=types.SimpleNamespace(
+                use_loss=grpo, init_coef=args.get("beta", 0.0), estimator="k3", unbiased_gradient=False
+            )
+        ),
+        actor=types.SimpleNamespace(entropy_coef=(args.get("ent_coef") or None), aux_loss_coef=0.0),
+        train=types.SimpleNamespace(dynamic_batch_enable=False),
+    )
+    trainer = types.SimpleNamespace(
+        args=config,
+        strategy=strategy,
+        actor=actor,
+        actor_optim=None,
+        actor_loss_fn=loss_module.PolicyLoss(args["clip_low"], args["clip_high"], token_level_loss=token_level),
+        aux_loss=False,
+        ema_model=None,
+        actor_scheduler=types.SimpleNamespace(get_last_lr=lambda: [0.0]),
+        replay_buffer=None,
+    )
+    new_logp = getattr(actor, "values", None)  # the stored log-probs, where there are
+    old_logp = batch["old_logp"] if not grpo or args["num_iterations"] > 1 else None
+    advantages = batch["advantages"][:, None].expand_as(mask) if grpo else batch["advantages"]
+    step = experience.Experience(
+        sequences=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        action_mask=mask,
+        action_log_probs=old_logp,
+        base_action_log_probs=batch.get("ref_logp"),
+        advantages=advantages,
+        values=batch.get("values"),
+        returns=batch.get("returns"),
+    )
+    if old_logp is None:  # one iteration: the sampling policy is the current one (ratio 1)
+        if new_logp is None:
+            with torch.no_grad():
+                new_logp = actor(step.sequences, mask.detach(), attention_mask=step.attention_mask)
+        step.action_log_probs = new_logp.detach()
+    info = loss_utils.get_loss_batch_info(
+        strategy, mask, batch_num_tokens=batch["num_tokens"], global_batch_size=batch["num_seqs"]
+    )
+    kl_ctl = args.get("beta", 0.0) if grpo else 0.0  # PPO's KL is in the reward (compute_reward), not the loss
+    ppo_actor.ActorPPOTrainer.training_step(trainer, step, kl_ctl, 0, dict(info))
+    total = strategy.loss
+    if critic is not None:
+        trainer = types.SimpleNamespace(
+            args=config,
+            strategy=strategy,
+            critic=critic,
+            critic_optim=None,
+            critic_loss_fn=loss_module.ValueLoss(args["cliprange_value"]),
+            aux_loss=False,
+            critic_scheduler=types.SimpleNamespace(get_last_lr=lambda: [0.0]),
+            replay_buffer=None,
+        )
+        ppo_critic.CriticPPOTrainer.training_step(trainer, step, 0, dict(info))
+        total = total + args["vf_coef"] * strategy.loss  # OpenRLHF steps the critic apart, on its loss unscaled
     return total
+
+
+def _stored(batch, args):
+    entropy = batch.get("entropy")
+    return _Stored(batch["new_logp"], entropy), (_Stored(batch["new_values"]) if args["script"] == "ppo" else None)
 
 
 def per_token_loss(batch, args):
     """d(sum_t m_t L_t) / d m_t = L_t: the token-level reduction's gradient with respect to the mask."""
     mask = batch["completion_mask"].float().requires_grad_(True)
-    token_sum = _losses(
-        batch["new_logp"],
-        dict(batch, num_tokens=1),
-        dict(args, loss_agg="token-mean"),
-        mask,
-        batch.get("new_values"),
-        dict(batch_num_tokens=1),
-    )
+    actor, critic = _stored(batch, args)
+    token_sum = _training_steps(args, dict(batch, num_tokens=1), mask, actor, critic, token_level=True)
     (per_token,) = torch.autograd.grad(token_sum, mask)
     return per_token
 
 
 def loss(batch, args):
-    return _losses(batch["new_logp"], batch, args, batch["completion_mask"], batch.get("new_values"))
+    return _training_steps(args, batch, batch["completion_mask"], *_stored(batch, args))
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
-    new_values = None
-    if critic is not None:  # this project's critic: OpenRLHF's is its engine's model
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        T = batch["completion_ids"].shape[1]
-        new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
-    return _losses(new_logp, batch, args, batch["completion_mask"], new_values)
+    actor = actor_module.Actor(model, temperature=args["temperature"])
+    actor.packing_samples = False  # Actor.__init__ sets it only when it loads the model itself, from a path
+    return _training_steps(args, batch, batch["completion_mask"], actor, critic and _Critic(critic))

@@ -101,17 +101,28 @@ def train_loss(model, batch, args, critic=None):
     return algorithm.compute_loss(outputs(model, batch, args, critic), batch, flags)[0]
 
 
-def update(model, batch, args, state):
-    """One training step of grpo.py's optimizer on the whole batch: num_iterations AdamW steps, each after
-    clipping the gradient's norm, then the schedule's step. `state` keeps the optimizer from one call to the next."""
+def update(model, batch, args, state, critic=None):
+    """One training step of the script's optimizer, as its loop takes it: GRPO num_iterations optimizer steps on the
+    whole batch, PPO one a minibatch (batch["minibatches"]: their rows, in the run's order); each accumulated over
+    micro-batches with the whole batch's (PPO: minibatch's) denominators, each model's gradient norm clipped, then
+    the schedule's step. `state` keeps the optimizer from one call to the next."""
     if "optimizer" not in state:
-        state["optimizer"], state["scheduler"] = optimizer(model, args)
-    opt = state["optimizer"]
-    model.train()
-    for _ in range(args["num_iterations"]):
+        state["optimizer"], state["scheduler"] = optimizer(model, args, critic)
+    opt, trained = state["optimizer"], [m for m in (model, critic) if m is not None]
+    rows = batch.pop("minibatches", None)
+    N = len(batch["completion_mask"])
+    rows = [torch.arange(N)] * args["num_iterations"] if rows is None else rows
+    for m in trained:
+        m.train()
+    for minibatch in rows:
         opt.zero_grad(set_to_none=True)
-        train_loss(model, batch, args).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
+        if args["script"] == "ppo":  # the minibatch's own denominators
+            batch = dict(batch, num_seqs=len(minibatch), num_tokens=int(batch["completion_mask"][minibatch].sum()))
+        for i in range(0, len(minibatch), args["micro_batch_size"]):
+            micro = common.select_rows(batch, minibatch[i : i + args["micro_batch_size"]])
+            train_loss(model, micro, args, critic).backward()
+        for m in trained:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), args["max_grad_norm"])
         opt.step()
     state["scheduler"].step()
 

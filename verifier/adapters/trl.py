@@ -19,6 +19,8 @@ import tempfile
 
 import torch
 
+from common import select_rows
+
 try:
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
@@ -64,6 +66,13 @@ def setup(args, options, model):
     """A GRPOTrainer around `model` (the initial weights), set as the run; TRL loads its own reference."""
     if args["script"] != "grpo":
         raise NotImplementedError("it covers GRPOTrainer (TRL 1.16 ships no PPO trainer): use --against verl")
+    N = args["prompts_per_step"] * args["group_size"]
+    micro = min(args["micro_batch_size"], N)
+    if N % micro or micro % args["group_size"]:
+        raise NotImplementedError(
+            f"TRL splits its batch into equal micro-batches of whole groups: --micro-batch-size {micro} does not "
+            f"divide the {N} completions into groups of {args['group_size']}"
+        )
     with _quiet_warnings():  # transformers' deprecation notices about fields TRL still sets
         config = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="verify-trl-"),
@@ -71,8 +80,8 @@ def setup(args, options, model):
             use_cpu=True,
             bf16=False,
             seed=args["seed"],
-            per_device_train_batch_size=args["prompts_per_step"] * args["group_size"],
-            gradient_accumulation_steps=1,
+            per_device_train_batch_size=micro,  # the run's micro-batches, accumulated over the whole batch
+            gradient_accumulation_steps=N // micro,
             num_generations=args["group_size"],
             max_completion_length=args["max_new_tokens"],
             temperature=args["temperature"],
@@ -108,7 +117,7 @@ def setup(args, options, model):
             rollout_func=_stored_rollout,
         )
     hf_logging.set_verbosity(verbosity)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is never called here
+    trainer.current_gradient_accumulation_steps = N // micro  # set by Trainer.train(), which is never called here
     trainer.model.train()
     state["trainer"] = trainer
 
@@ -187,6 +196,10 @@ def _loss_from_stored(batch, args):
     inputs = dict(_prepare(batch), advantages=batch["advantages"], old_per_token_logps=batch["old_logp"])
     if "ref_logp" in batch:
         inputs["ref_per_token_logps"] = batch["ref_logp"]
+    # The whole batch at once, as one accumulation window: TRL's dapo divides by num_items_in_batch times the
+    # window's share of its generation batch (1 / steps_per_generation), so the count is scaled back.
+    trainer.current_gradient_accumulation_steps = 1
+    inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * trainer.args.steps_per_generation
     new_logp = batch["new_logp"].clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new_logp, torch.zeros_like(new_logp), None)
     captured = {}
@@ -218,8 +231,28 @@ def loss(batch, args):
     return _loss_from_stored(batch, args)[0]
 
 
+def _trimmed(batch):
+    """A micro-batch without the padding columns it kept from the whole batch (TRL pads each micro-batch anew)."""
+    first = int(batch["prompt_mask"].any(0).int().argmax())
+    width = int(batch["completion_mask"].any(0).nonzero().max()) + 1
+    T = batch["completion_mask"].shape[1]
+    out = {}
+    for key, value in batch.items():
+        if key.startswith("prompt_"):
+            value = value[:, first:]
+        elif torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == T:
+            value = value[:, :width]
+        out[key] = value
+    return out
+
+
 def train_loss(model, batch, args, critic=None):
-    inputs = _prepare(batch)
+    """GRPOTrainer.compute_loss on one micro-batch of the step, as its training_step gets it: the advantages and
+    the token count (num_items_in_batch) of the whole batch it was split from, normalised by its accumulation."""
+    inputs = _prepare(_trimmed(batch))
+    inputs["advantages"] = batch["advantages"]  # the whole batch's, as TRL splits them (its std: the advantages row)
+    inputs["num_items_in_batch"] = torch.tensor(float(batch["num_tokens"]))
+    state["trainer"].current_gradient_accumulation_steps = round(batch["num_seqs"] / len(batch["completion_mask"]))
     return state["trainer"].compute_loss(_patched(model, args), inputs)
 
 
@@ -230,10 +263,11 @@ def update(model, batch, args, step_state):
     if "optimizer" not in step_state:
         trainer.model, trainer.optimizer = _patched(model, args), None
         step_state["optimizer"] = trainer.create_optimizer()
-    optimizer = step_state["optimizer"]
+    optimizer, size = step_state["optimizer"], state["trainer"].args.per_device_train_batch_size
     model.train()
     for _ in range(args["num_iterations"]):
         optimizer.zero_grad(set_to_none=True)
-        train_loss(model, batch, args).backward()
+        for i in range(0, len(batch["completion_mask"]), size):  # TRL's accumulation over its micro-batches
+            train_loss(model, select_rows(batch, slice(i, i + size)), args).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args["max_grad_norm"])
         optimizer.step()

@@ -123,7 +123,7 @@ def gae(batch, args):
     )
 
 
-def token_logprobs(model, batch, args):
+def token_logprobs(model, batch, args, entropy=False):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     T = batch["completion_ids"].shape[1]
@@ -134,7 +134,8 @@ def token_logprobs(model, batch, args):
         position_ids=compute_position_id_with_mask(attention_mask),
     ).logits
     logits = logits[:, -T - 1 : -1].float() / args["temperature"]
-    return verl_F.logprobs_from_logits(logits, batch["completion_ids"]) * batch["completion_mask"]
+    logp = verl_F.logprobs_from_logits(logits, batch["completion_ids"]) * batch["completion_mask"]
+    return (logp, verl_F.entropy_from_logits(logits)) if entropy else logp
 
 
 def kl(batch, args):
@@ -144,8 +145,9 @@ def kl(batch, args):
     return core_algos.kl_penalty(batch["new_logp"], batch["ref_logp"], "low_var_kl")
 
 
-def _losses(new_logp, batch, args, agg, mask, new_values=None):
-    """verl's policy loss (+ beta * KL loss for GRPO, + vf_coef * value loss for PPO), aggregated by `agg`."""
+def _losses(new_logp, batch, args, agg, mask, new_values=None, entropy=None):
+    """verl's policy loss (+ beta * KL loss for GRPO; - ent_coef * entropy + vf_coef * value loss for PPO), aggregated
+    by `agg`, composed as verl/workers/utils/losses.py's ppo_loss composes them (tests/test_verify_assembly.py)."""
     _no_bias_correction(args)
     config = _config(args, batch)
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
@@ -161,6 +163,9 @@ def _losses(new_logp, batch, args, agg, mask, new_values=None):
     if args["script"] == "grpo" and args["beta"] > 0:
         kld = core_algos.kl_penalty(new_logp, batch["ref_logp"], "low_var_kl")
         loss = loss + args["beta"] * core_algos.agg_loss(kld, mask, agg, **config.global_batch_info)
+    if args["script"] == "ppo" and args["ent_coef"] > 0:
+        entropy_loss = core_algos.agg_loss(entropy, mask, agg, **config.global_batch_info)
+        loss = loss - args["ent_coef"] * entropy_loss
     if args["script"] == "ppo":
         v_loss, _ = core_algos.compute_value_loss(
             new_values,
@@ -177,7 +182,9 @@ def _losses(new_logp, batch, args, agg, mask, new_values=None):
 
 def per_token_loss(batch, args):
     mask = batch["completion_mask"].float().requires_grad_(True)
-    token_sum = _losses(batch["new_logp"], batch, args, "token-sum", mask, batch.get("new_values"))
+    token_sum = _losses(
+        batch["new_logp"], batch, args, "token-sum", mask, batch.get("new_values"), batch.get("entropy")
+    )
     (per_token,) = torch.autograd.grad(token_sum, mask)  # d(sum_t m_t L_t) / d m_t = L_t
     return per_token
 
@@ -188,15 +195,15 @@ def _agg(args):
 
 def loss(batch, args):
     mask = batch["completion_mask"]
-    return _losses(batch["new_logp"], batch, args, _agg(args), mask, batch.get("new_values"))
+    return _losses(batch["new_logp"], batch, args, _agg(args), mask, batch.get("new_values"), batch.get("entropy"))
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
+    new_logp, entropy = token_logprobs(model, batch, args, entropy=True)
     new_values = None
     if critic is not None:  # the values come from this project's critic: verl's is its engine's model
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         T = batch["completion_ids"].shape[1]
         new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
-    return _losses(new_logp, batch, args, _agg(args), batch["completion_mask"], new_values)
+    return _losses(new_logp, batch, args, _agg(args), batch["completion_mask"], new_values, entropy)
