@@ -295,6 +295,7 @@ MEASURED = [
     ("grpo", dict(beta=0.0)),
     ("ppo", dict(vf_coef=0.0)),
     ("ppo", dict(lora_rank=16)),
+    ("grpo", dict(max_new_tokens=160, gradient_checkpointing="on")),  # 8 x 160 positions: the head a chunk at a time
 ]
 MEASURE = """
 import json, resource, sys
