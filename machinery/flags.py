@@ -33,7 +33,7 @@ class RunArgs:
     processes; an OMP_NUM_THREADS of yours wins) or a number; printed at start with the reason, see threads.py"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute activations in the backward pass to save memory (switched off during generation); auto: on where
-    a micro-batch's activations would outweigh all else the step holds (printed at start, see model_checks.py)"""
+    a micro-batch's activations would outweigh all else the step holds (printed at load, see model_checks.py)"""
     deterministic: bool = False
     """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
     eval_every: int = 0

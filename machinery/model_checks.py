@@ -11,7 +11,6 @@ import os
 
 import torch
 
-from machinery import distributed as dist
 from machinery import output_head
 from machinery.errors import UsageError, one_line
 
@@ -265,28 +264,25 @@ def activation_bytes(args, config, world_size=1):
 CHECKPOINTING_FLOOR = 2**30  # activations below this are left alone: the memory saved would not matter
 
 
-def resolve_checkpointing(args, config, world_size=1, critic_config=None):
-    """--gradient-checkpointing auto becomes on where a micro-batch's activations (activation_bytes) would
-    outweigh all else a step holds (step_bytes), so that recomputing them in the backward pass more than halves the
-    step's memory, and pass CHECKPOINTING_FLOOR; else off. Printed with the numbers (by the main process); on and
-    off stay as given.
+def choose_checkpointing(args, config, world_size=1, critic_config=None):
+    """(on, reason) for --gradient-checkpointing: on and off as given; auto: on where a micro-batch's activations
+    (activation_bytes) would outweigh all else a step holds (step_bytes), so that recomputing them in the backward
+    pass more than halves the step's memory, and pass CHECKPOINTING_FLOOR; else off.
 
     So a short completion keeps its step as it was (SmolLM2 in float32, --beta 0: 16 tokens in micro-batches of 32,
     0.51 GiB of activations against 2.2), and long ones recompute (512 tokens in micro-batches of 8: 3.9 against
     2.6)."""
     if args.gradient_checkpointing != "auto":
-        return
+        return args.gradient_checkpointing == "on", f"--gradient-checkpointing {args.gradient_checkpointing}"
     activations, rest = (
         activation_bytes(args, config, world_size),
         step_bytes(args, config, world_size, critic_config)[0],
     )
     on = activations > max(rest, CHECKPOINTING_FLOOR)
-    args.gradient_checkpointing = "on" if on else "off"
-    if dist.is_main():
-        print(
-            f"activation checkpointing: {args.gradient_checkpointing} (auto: a micro-batch's activations, "
-            f"~{gib(activations)} GiB, against the rest of the step, {gib(rest)} GiB; on past both that and 1 GiB)"
-        )
+    return on, (
+        f"auto: a micro-batch's activations, ~{gib(activations)} GiB, against the rest of the step, {gib(rest)} GiB; "
+        "on past both that and 1 GiB"
+    )
 
 
 def check_step_fits(args, config, device, world_size=1, critic_config=None):

@@ -518,7 +518,7 @@ def wait_for(condition, process, timeout=120):
 def test_principle8_ctrl_c_while_loading_says_nothing_was_saved(tmp_path, xdg_cache):
     process, log = start([], tmp_path, xdg_cache)
     line = process.stdout.readline()
-    while line.startswith(("activation checkpointing: ", "threads: ", "dtype: ")):  # choices printed before settings
+    while line.startswith(("threads: ", "dtype: ")):  # the threads and precision chosen, printed before the settings
         line = process.stdout.readline()
     assert line.startswith("settings (")  # printed once the run folder exists, before any load
     process.send_signal(signal.SIGINT)

@@ -766,6 +766,14 @@ MUTANTS = [
         replace="zip([hidden], [labels.reshape(-1)])",
     ),
     dict(
+        name="startup-keeps-freed-memory-while-recomputing",
+        file="machinery/startup.py",
+        tests=["tests/test_logit_memory.py", "-k", "keeps_no_freed_memory"],
+        what="a policy that recomputes its activations to save memory still keeps a heap that only grows",
+        find="    else:  # a heap that only grows buys speed",
+        replace="    if True:  # a heap that only grows buys speed",
+    ),
+    dict(
         name="model-checks-checkpointing-inverted",
         file="machinery/model_checks.py",
         tests=["tests/test_logit_memory.py", "-k", "checkpointing"],
