@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from machinery import distributed as dist
-from machinery import models, precision, prompt_cache, scoring
+from machinery import models, output_head, precision, prompt_cache, scoring
 from machinery.errors import UsageError
 from machinery.models import position_ids_from_mask  # positions over real tokens: left padding shifts none
 
@@ -229,8 +229,11 @@ def mask_after_eos(completion_ids, eos_ids):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _logprobs_and_entropy(logits, labels, temperature, with_entropy, entropy_grad):
-    logits = logits.float() / temperature  # float32 for this chunk only
+def _logprobs_and_entropy(head, x, labels, temperature, with_entropy, entropy_grad):
+    logits = x if head is None else head(x)  # x: logits, or with a head the hidden states it reads
+    logits = logits.float()  # float32 for this chunk only
+    if temperature != 1:  # x / 1 is x to the bit: at 1 no copy of the chunk
+        logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels[..., None]).squeeze(-1) - logz
     if not with_entropy:  # a softmax over the vocabulary saved
@@ -246,7 +249,7 @@ def token_logprobs(
     attention_mask,
     completion_mask,
     temperature,
-    chunk_tokens=1024,
+    chunk_tokens=output_head.CHUNK_TOKENS,
     return_entropy=False,
     entropy_grad=False,
 ):
@@ -263,36 +266,26 @@ def token_logprobs(
     the sampling temperature, or the ratio would compare a different distribution. Only the completion's
     logits are computed (logits_to_keep), in the forward's precision; the float32 softmax runs on
     `chunk_tokens` positions at a time and is recomputed in the backward pass, so no float32
-    [B, T, vocab] tensor exists, not even for autograd (the entropy's included).
+    [B, T, vocab] tensor exists, not even for autograd (the entropy's included). Past one chunk, the head itself
+    runs a chunk at a time, inside that recomputation, where its output is the model's logits (output_head.py):
+    then the [B, T, vocab] logits never exist, nor their gradient.
     """
-    T = completion_mask.shape[1]
-    position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
-    with precision.log_prob_attention(model, input_ids.device):  # on a CPU under bf16: attention in float32, faster
-        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (machinery/prompt_cache.py).
-        cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
-        if cache is None:
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=T + 1,
-                use_cache=False,
-            )
-        else:  # the rows' own tokens: the last prompt token and the completion
-            out = model(
-                input_ids=input_ids[:, -T - 1 :],
-                attention_mask=attention_mask,
-                position_ids=position_ids[:, -T - 1 :],
-                use_cache=True,
-                logits_to_keep=T + 1,
-                **{prompt_cache.cache_argument(model): cache},
-            )
-    logits = out.logits[:, :-1]  # [B, T, vocab]: the logits at position t predict token t + 1
+    B, T = completion_mask.shape
+    head = output_head.splittable(model, B * T, chunk_tokens)  # None: the logits whole, as the model gives them
+    with output_head.capture(head) as captured:
+        out = _completion_forward(model, input_ids, attention_mask, T)
+    if head is not None and not output_head.gives_the_models_logits(head, captured.hidden, out.logits):
+        head, out = None, _completion_forward(model, input_ids, attention_mask, T)
     labels = input_ids[:, -T:]
-    rows = max(1, chunk_tokens // max(T, 1))
+    if head is None:  # the logits at position t predict token t + 1; `rows` whole rows a chunk
+        rows = max(1, chunk_tokens // max(T, 1))
+        chunks = zip(out.logits[:, :-1].split(rows), labels.split(rows))  # [rows, T, vocab], [rows, T]
+    else:  # the hidden states the head reads, chunk_tokens positions a chunk
+        hidden = captured.hidden[:, :-1].reshape(B * T, -1)  # [B * T, hidden]
+        chunks = zip(hidden.split(chunk_tokens), labels.reshape(-1).split(chunk_tokens))
     logps, entropies = [], []
-    for chunk, chunk_labels in zip(logits.split(rows), labels.split(rows)):
-        args = (chunk, chunk_labels, temperature, return_entropy, entropy_grad)
+    for chunk, chunk_labels in chunks:
+        args = (head, chunk, chunk_labels, temperature, return_entropy, entropy_grad)
         if torch.is_grad_enabled():
             logp, entropy = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:
@@ -300,8 +293,32 @@ def token_logprobs(
         logps.append(logp)
         entropies.append(entropy)
     mask = completion_mask.to(torch.float32)
-    logp = torch.cat(logps) * mask
-    return (logp, torch.cat(entropies) * mask) if return_entropy else logp
+    logp = torch.cat(logps).view(B, T) * mask
+    return (logp, torch.cat(entropies).view(B, T) * mask) if return_entropy else logp
+
+
+def _completion_forward(model, input_ids, attention_mask, T):
+    """The model's forward over prompt + completion with the logits of the last T + 1 positions (logits_to_keep)."""
+    position_ids = position_ids_from_mask(attention_mask)  # as generate() computes them under left padding
+    with precision.log_prob_attention(model, input_ids.device):  # on a CPU under bf16: attention in float32, faster
+        # A prompt shared by several rows (GRPO's groups) is computed once, as a KV cache (machinery/prompt_cache.py).
+        cache = prompt_cache.shared_prompt_cache(model, input_ids, attention_mask, position_ids, input_ids.shape[1] - T)
+        if cache is None:
+            return model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=T + 1,
+                use_cache=False,
+            )
+        return model(  # the rows' own tokens: the last prompt token and the completion
+            input_ids=input_ids[:, -T - 1 :],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, -T - 1 :],
+            use_cache=True,
+            logits_to_keep=T + 1,
+            **{prompt_cache.cache_argument(model): cache},
+        )
 
 
 def autocast(device, dtype):

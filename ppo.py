@@ -343,7 +343,7 @@ def main(args, flags_given=()):
     # With --vf-coef 0 none is loaded and every value is 0 (token_values), as a critic never trained would give.
     critic = load_critic(args.critic_model or args.model, device, args) if args.vf_coef > 0 else None
     trained = {name: model for name, model in (("policy", policy), ("critic", critic)) if model is not None}
-    if critic is not None and args.gradient_checkpointing:  # as the policy's (startup.load_policy)
+    if critic is not None and precision.activation_checkpointing(policy):  # as the policy's (startup.load_policy)
         precision.set_activation_checkpointing(critic.backbone, True)
     # The reference only enters through the KL penalty (none: not loaded). Held like the policy (float32, the same
     # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.

@@ -203,7 +203,7 @@ def main(args, flags_given=()):
         del sample
     tokenizer = preferences.reward_tokenizer(args)  # --no-chat-template: without its template, saved so
     model = load_reward_model(args.model, device)  # float32 master weights, autocast to dtype
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing == "on":  # auto: off (the reward model's bound counts its activations)
         precision.set_activation_checkpointing(model, True)
     threads.keep_freed_memory(model, device)  # on a CPU, a model's largest tensors reuse the last step's pages
     model.config.pad_token_id = tokenizer.pad_token_id  # how it finds each row's last token, here and in RewardModel

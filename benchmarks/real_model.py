@@ -178,10 +178,14 @@ def run_trl(model_dir, seed, steps, work, bf16=False, task_name=TASK, flags=None
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.ends, self.logs = [time.time()], []
+            self.ends, self.logs, self.peaks = [time.time()], [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.ends = [time.time()]  # the trainer's own set-up is not its first step
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(time.time())
+            self.peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # GiB so far
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}))
@@ -238,7 +242,16 @@ def run_trl(model_dir, seed, steps, work, bf16=False, task_name=TASK, flags=None
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return (
         final,
-        dict(steps=len(step_times), score=rewards, entropy=entropy, s_per_step=s_per_step, peak_rss_gb=peak_rss_gb),
+        dict(
+            steps=len(step_times),
+            score=rewards,
+            entropy=entropy,
+            s_per_step=s_per_step,
+            peak_rss_gb=peak_rss_gb,
+            step_seconds=step_times,
+            step_peak_rss_gb=clock.peaks,
+            completion_length=[log[length] for log in clock.logs if (length := "completions/mean_length") in log],
+        ),
         seconds,
     )
 

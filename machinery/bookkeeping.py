@@ -51,7 +51,7 @@ def run_main(main):
     except torch.OutOfMemoryError:
         sys.exit(
             "error: out of GPU memory: lower --micro-batch-size, --max-new-tokens or --prompts-per-step, "
-            "add --gradient-checkpointing, or set the KL coefficient to 0 so no reference model is loaded"
+            "pass --gradient-checkpointing on, or set the KL coefficient to 0 so no reference model is loaded"
         )
 
 

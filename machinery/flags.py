@@ -33,8 +33,10 @@ class RunArgs:
     checked at start, after each step and before each forward pass, and at most the cores over torchrun's
     processes; an OMP_NUM_THREADS of yours wins) or a number; printed at start with the reason, see
     machinery/threads.py"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory (switched off during generation)"""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """recompute activations in the backward pass to save memory (switched off during generation); auto: on where
+    a micro-batch's activations would outweigh all else the step holds (printed at load, see
+    machinery/model_checks.py)"""
     deterministic: bool = False
     """torch's deterministic algorithms (CPU runs are reproducible without; the GPU needs it)"""
     eval_every: int = 0

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from machinery import output_head
 from machinery.errors import UsageError, one_line
 
 CHECKED = set()  # the models (by name) whose weights passed check_causal_and_finite: a reference or resume skips it
@@ -207,8 +208,9 @@ def step_bytes(args, config, world_size=1, critic_config=None):
     Under torchrun, FSDP shards every model: each process holds 1/world_size of them. Generation: each process's
     N completions of at least max_new_tokens + 1 positions keep a key and a value per layer (KV cache, in the
     forward's precision: 2 bytes unless --dtype float32) and their float32 logits over the vocabulary at each
-    sampled token. The update: a micro-batch's logits and their gradient, in the forward's precision (the float32
-    softmax runs a chunk at a time, common.token_logprobs). Prompts count as 1 token.
+    sampled token. The update: the input of each of a micro-batch's layers, kept for the backward pass even when
+    the layers recompute the rest (activation checkpointing), and one chunk's float32 logits over the vocabulary
+    (common.token_logprobs computes them output_head.CHUNK_TOKENS positions at a time). Prompts count as 1 token.
     """
     text = config.get_text_config()  # an architecture without one of these sizes counts it as 1: still a lower bound
     vocab, hidden, layers = (
@@ -233,14 +235,54 @@ def step_bytes(args, config, world_size=1, critic_config=None):
     parts = {key: size // world_size for key, size in parts.items()}
     rows = args.prompts_per_step * getattr(args, "group_size", getattr(args, "samples_per_prompt", 1)) // world_size
     width = 4 if args.dtype == "float32" else 2  # auto: bfloat16 where the device computes it, the lower of the two
+    tokens = min(args.micro_batch_size, rows) * args.max_new_tokens  # a micro-batch's completion tokens
     parts.update(
         {
             "the generation's KV cache": rows * (args.max_new_tokens + 1) * layers * 2 * kv_dim * width,
             "the generation's logits": rows * vocab * 4,
-            "a micro-batch's logits": min(args.micro_batch_size, rows) * args.max_new_tokens * vocab * width * 2,
+            "a micro-batch's layer inputs": tokens * layers * hidden * width,
+            "a chunk's logits": min(tokens, output_head.CHUNK_TOKENS) * vocab * 4,
         }
     )
     return sum(parts.values()), parts
+
+
+def activation_bytes(args, config, world_size=1):
+    """An estimate (not a bound) of what a micro-batch's layers keep for the backward pass without activation
+    checkpointing: per token and layer, four hidden-wide tensors (the layer's input, the normed inputs of attention
+    and MLP, attention's output) and four MLP-wide ones (gate, up, the activation, their product), 2 bytes each
+    unless --dtype float32; prompts count as 1 token. SmolLM2-135M, 8 rows of 513 tokens in float32: 3.9 GiB
+    estimated, about 6 GiB measured (the attention's own tensors are left out)."""
+    text = config.get_text_config()
+    hidden, layers = (getattr(text, key, None) or 1 for key in ("hidden_size", "num_hidden_layers"))
+    mlp = getattr(text, "intermediate_size", None) or 4 * hidden  # GPT-2's n_inner: 4 x hidden when unset
+    rows = args.prompts_per_step * getattr(args, "group_size", getattr(args, "samples_per_prompt", 1)) // world_size
+    tokens = min(args.micro_batch_size, rows) * (args.max_new_tokens + 1)
+    return tokens * layers * 4 * (hidden + mlp) * (4 if args.dtype == "float32" else 2)
+
+
+CHECKPOINTING_FLOOR = 2**30  # activations below this are left alone: the memory saved would not matter
+
+
+def choose_checkpointing(args, config, world_size=1, critic_config=None):
+    """(on, reason) for --gradient-checkpointing: on and off as given; auto: on where a micro-batch's activations
+    (activation_bytes) would outweigh all else a step holds (step_bytes), so that recomputing them in the backward
+    pass more than halves the step's memory, and pass CHECKPOINTING_FLOOR; else off.
+
+    So a short completion keeps its step as it was (SmolLM2 in float32, --beta 0: 16 tokens in micro-batches of 32,
+    0.51 GiB of activations against 2.2), and long ones recompute (512 tokens in micro-batches of 8: 3.9 against
+    2.6)."""
+    if args.gradient_checkpointing != "auto":
+        return args.gradient_checkpointing == "on", f"--gradient-checkpointing {args.gradient_checkpointing}"
+    activations, rest = (
+        activation_bytes(args, config, world_size),
+        step_bytes(args, config, world_size, critic_config)[0],
+    )
+    on = activations > max(rest, CHECKPOINTING_FLOOR)
+    return on, (
+        f"auto: a micro-batch's activations, ~{gib(activations)} GiB, against the rest of the step, {gib(rest)} GiB; "
+        "on past both that and 1 GiB"
+    )
 
 
 def check_step_fits(args, config, device, world_size=1, critic_config=None):
@@ -280,7 +322,7 @@ def pair_step_bytes(args, config, shortest):
     text = config.get_text_config()
     hidden, layers = (getattr(text, key, None) or 1 for key in ("hidden_size", "num_hidden_layers"))
     width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
-    per_token = hidden if args.gradient_checkpointing else 3 * hidden + width
+    per_token = hidden if args.gradient_checkpointing == "on" else 3 * hidden + width  # auto: off in reward_model.py
     rows = 2 * min(args.micro_batch_size, args.batch_size)
     precision = 4 if args.dtype == "float32" else 2
     parts = {
@@ -301,7 +343,7 @@ def check_pairs_fit(args, config, shortest):
         fix = {
             "the reward model's weights and optimizer state": "pick a smaller --model",
             "the batch's tokens": "lower --batch-size",
-        }.get(biggest, "lower --micro-batch-size, or add --gradient-checkpointing")
+        }.get(biggest, "lower --micro-batch-size, or pass --gradient-checkpointing on")
         where = "GPU memory" if device.type == "cuda" else "memory (RAM)"
         raise UsageError(
             f"a step needs at least {gib(need)} GiB ({biggest}: {gib(parts[biggest])} GiB), more than the "

@@ -112,13 +112,29 @@ def check_same_vocabulary(model, critic):
 
 def load_policy(args, device):
     """(tokenizer, policy): float32 master weights (autocast computes in --dtype); with --lora-rank a frozen base
-    with trained low-rank adapters (lora.py); with --gradient-checkpointing, activations recomputed."""
+    with trained low-rank adapters (lora.py); activations recomputed where `checkpointing` says so."""
     tokenizer = models.load_tokenizer(args.model, args.system_prompt)
     policy = lora.wrap(models.load_causal_lm(args.model, device), args)
-    if args.gradient_checkpointing:
+    if checkpointing(args, policy.config):
         precision.set_activation_checkpointing(policy, True)
-    threads.keep_freed_memory(policy, device)  # on a CPU, a model's largest tensors reuse the last step's pages
+    else:  # a heap that only grows buys speed; where activations are recomputed to save memory it would cost more
+        threads.keep_freed_memory(policy, device)  # on a CPU, a model's largest tensors reuse the last step's pages
     return tokenizer, policy
+
+
+def checkpointing(args, config):
+    """Whether the policy recomputes its activations (model_checks.choose_checkpointing: --gradient-checkpointing on,
+    or auto where a micro-batch's activations outweigh the rest of the step), printed with the reason (by the main
+    process). Args keep `auto`, so a resume compares what was given."""
+    from transformers import AutoConfig
+
+    critic = getattr(args, "critic_model", None) if getattr(args, "vf_coef", 0) > 0 else None
+    critic_config = models.from_pretrained(AutoConfig, models.resolve_model_path(critic)) if critic else None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    on, reason = model_checks.choose_checkpointing(args, config, world_size, critic_config)
+    if dist.is_main():
+        print(f"activation checkpointing: {'on' if on else 'off'} ({reason})")
+    return on
 
 
 def load_scorer(args, run, tokenizer, policy):

@@ -181,8 +181,12 @@ def test_principle2_step_bytes_counts_by_hand():
     assert parts["the reference's weights"] == 4 * params
     assert parts["the generation's KV cache"] == 6 * 5 * 2 * 2 * 4 * 2  # rows, positions, layers, k and v, kv dim, bf16
     assert parts["the generation's logits"] == 6 * 10 * 4
-    assert parts["a micro-batch's logits"] == 6 * 4 * 10 * 2 * 2  # a micro-batch of 8 holds the 6 rows there are;
-    # its logits and their gradient, bf16
+    # a micro-batch of 8 holds the 6 rows there are, of 4 completion tokens: each layer's input (hidden 8, bf16), and
+    # their float32 logits, all 24 positions in one chunk (CHUNK_TOKENS is 1024)
+    assert parts["a micro-batch's layer inputs"] == 6 * 4 * 2 * 8 * 2
+    assert parts["a chunk's logits"] == 6 * 4 * 10 * 4
+    long = model_checks.step_bytes(grpo.Args(prompts_per_step=3, group_size=2, max_new_tokens=512, beta=0.1), config)
+    assert long[1]["a chunk's logits"] == 1024 * 10 * 4  # 6 x 512 positions, computed 1024 at a time
     assert need == sum(parts.values())
     assert model_checks.step_bytes(grpo.Args(beta=0.0), config)[1]["the reference's weights"] == 0
     adapters = 2 * 16 * ((8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8))  # rank 16 on each linear layer
@@ -309,6 +313,7 @@ MEASURED = [
     ("grpo", dict(beta=0.0)),
     ("ppo", dict(vf_coef=0.0)),
     ("ppo", dict(lora_rank=16)),
+    ("grpo", dict(max_new_tokens=160, gradient_checkpointing="on")),  # 8 x 160 positions: the head a chunk at a time
 ]
 MEASURE = """
 import json, resource, sys

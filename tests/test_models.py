@@ -485,7 +485,7 @@ def test_grpo_with_gradient_checkpointing_trains_the_same(qwen2_dir, tmp_path):
     reward_file = tmp_path / "varied.py"
     reward_file.write_text(REWARD_FILE)
     finals = []
-    for checkpointing in (False, True):
+    for checkpointing in ("off", "on"):
         output_dir = tmp_path / f"runs-{checkpointing}"
         args = grpo.Args(
             model=qwen2_dir,
