@@ -48,33 +48,42 @@ def test_skyrl_says_why_the_plain_recommended_grpo_dump_is_incomplete(verify_dum
     assert results["loss"].startswith("skip: SkyRL has no ratio-weighted k3"), out
 
 
-def test_skyrl_ppo_names_its_value_loss_aggregation(verify_dumps, skyrl_site, capsys):
-    """The recommended PPO dump: rewards, returns, the controller, KL and per-token loss agree; the whitening and the
-    per-sequence value loss are named known differences, and the gradient fails, naming why."""
-    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", "--accept", "advantages", "--accept", "loss")
+def test_skyrl_ppo_names_its_value_loss_and_entropy_weights(verify_dumps, skyrl_site, capsys):
+    """The recommended PPO dump (--ent-coef 0.01, micro-batches of 4 in minibatches of 8): rewards, returns, the
+    controller, KL and the per-token loss (its entropy term too) agree; the whitening and SkyRL's micro-batch weights
+    (the value loss per sequence, the entropy a micro-batch's token mean) are named known differences, and the
+    gradient fails unless its own is accepted: a real difference, never a plain pass."""
+    accepted = ["--accept", "advantages", "--accept", "loss"]
+    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", *accepted)
     results = rows(out)
     assert code == 1 and out.splitlines()[-1] == "FAIL: gradient", out
     assert all(results[q] == "pass" for q in ["rewards", "returns", "kl_coef", "kl", "per-token loss"]), out
     assert results["advantages"].startswith("differs (known: SkyRL whitens GAE's advantages"), out
-    assert results["loss"].startswith("differs (known: SkyRL's ppo_critic_loss averages"), out
-    assert "the value loss's weights above move the critic's gradient" in out, out
+    assert results["loss"].startswith("differs (known: SkyRL weighs a term by each micro-batch's share"), out
+    assert "ppo_critic_loss averages" in results["loss"] and "entropy loss" in results["loss"], out
+    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", *accepted, "--accept", "gradient")
+    assert code == 0 and rows(out)["gradient"].startswith("differs (known: the same weights on the gradient"), out
 
 
 def test_skyrl_reinforce_pp_agrees_with_ppo_without_a_critic(skyrl_site, capsys, tmp_path):
     """ppo.py --vf-coef 0 --lam 1 is REINFORCE++ (docs/fork.md): SkyRL's own "reinforce++" estimator recomputes its
-    returns exactly, its advantages but for the whitening's variance; a return to go without gamma fails both."""
+    returns exactly, its advantages but for the whitening's variance; the per-token loss agrees, the loss and gradient
+    differ by the entropy's micro-batch weights alone (named); a return to go without gamma fails both."""
     flags = {k: v for k, v in PPO_RECIPE.items() if k not in ("critic_learning_rate", "cliprange_value")}
     dump = make_dump(tmp_path, "ppo", **dict(flags, vf_coef=0.0, lam=1.0))
-    code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    accepted = ["--accept", "advantages", "--accept", "loss", "--accept", "gradient"]
+    code, out, _ = run(capsys, dump, "--against", "skyrl", *accepted)
     results = rows(out)
-    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "loss", "gradient"]), out
+    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "per-token loss"]), out
+    assert results["loss"].startswith("differs (known: SkyRL weighs") and "ppo_critic_loss" not in results["loss"]
+    assert "entropy loss" in results["loss"] and results["gradient"].startswith("differs (known:"), out
     find = "running_return = token_level_rewards[:, t] + gamma * running_return"
     copy = planted_site(
         tmp_path, "backends/skyrl_train/utils/ppo_utils.py", find, find.replace("gamma * ", ""), "skyrl"
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SKYRL_SITE", copy)
-        code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+        code, out, _ = run(capsys, dump, "--against", "skyrl", *accepted)
     assert code == 1 and rows(out)["returns"].startswith("FAIL") and rows(out)["advantages"].startswith("FAIL"), out
 
 
