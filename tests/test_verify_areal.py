@@ -1,8 +1,8 @@
-"""AReaL 1.0.4 through verify.py (verifier/adapters/areal.py): its actor loss agrees once the dump takes its
-settings (no KL in the loss, the token mean, no entropy bonus), its log-probs and gradient on its right-padded layout agree, its PPO
-rewards, returns, KL and loss agree, its advantages differ by named differences accepted within their bounds, and a
-bug planted in a copy of its advantage, log-prob or loss code fails that row. Skips where AReaL is not installed
-apart (requirements/areal.txt)."""
+"""AReaL 1.0.4 through verify.py (verifier/adapters/areal.py): its actor loss agrees once the dump takes its settings
+(no KL in the loss, the token mean, no entropy bonus), its log-probs and gradient on its right-padded layout agree,
+its PPO rewards, returns, KL and loss agree, its advantages differ by named differences accepted within their bounds,
+and a bug planted in a copy of its advantage, log-prob or loss code fails that row. Skips where AReaL is not
+installed apart (requirements/areal.txt)."""
 
 import pytest
 from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
