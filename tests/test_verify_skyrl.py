@@ -15,6 +15,7 @@ import torch
 from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
 
 import verify
+from common import select_rows
 from verifier.dump import inputs, load_dump, micro_batch, whole_batch
 
 REQUIREMENTS = "requirements/skyrl.txt"
@@ -231,51 +232,72 @@ def _experience(batch, advantages, **more):
     )
 
 
+def _at_positions(values, batch):
+    """[n, T] values of the completion's tokens as the worker's model output holds them, [n, P + T]: the value of
+    completion token t at the position that predicts it (the worker reads [:, -num_actions - 1 : -1])."""
+    P = batch["prompt_ids"].shape[1]
+    out = torch.zeros(len(values), P + values.shape[1])
+    out[:, P - 1 : -1] = values
+    return out
+
+
 def test_the_adapters_loss_is_the_skyrl_workers_own(skyrl_grpo, verify_dumps, skyrl_site):
-    """GRPO (the whole batch, the KL loss in) and a PPO micro-batch (policy on minibatch-scaled advantages, and the
-    critic's loss weighted by its share of sequences): the adapter's loss equals what SkyRL's workers backpropagate."""
+    """GRPO: each micro-batch of the recommended 32 (the KL loss in, weighted by microbatch_weight; the policy loss
+    on advantages scaled over the whole batch, as the trainer scales a minibatch's), summing to the whole batch's
+    loss. PPO: a micro-batch of 4 in its minibatch of 8 (the entropy loss in, --ent-coef 0.01; the critic's loss
+    weighted by its share of sequences). On each micro-batch, with the whole batch's (minibatch's) counts as verify
+    hands them to train_loss, the adapter's loss is what SkyRL's workers backpropagate."""
     adapter = verify.load_adapter("skyrl")
     worker = _skyrl_worker(adapter)
+    policy_loss_fn = adapter.ppo_utils.PolicyLossRegistry.get("regular")
     args, steps, _, _ = load_dump(skyrl_grpo)
-    batch = inputs("loss", whole_batch(steps[2], args), args)
-    mask, advantages = batch["completion_mask"], batch["advantages"][:, None].expand_as(batch["new_logp"])
+    whole = whole_batch(steps[2], args)
+    N, size = len(whole["completion_mask"]), args["micro_batch_size"]
+    assert N > size, "the recommended GRPO dump has more than one micro-batch"
+    advantages = whole["advantages"][:, None].expand_as(whole["new_logp"])
     config = dict(vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=True, kl_loss_coef=args["beta"])
     config = types.SimpleNamespace(
         **config, kl_estimator_type="k3", temperature=1.0, enable_sample_support_replay=False
     )
     scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
-        advantages, mask, config.loss_reduction, len(mask), args["max_new_tokens"]
+        advantages, whole["completion_mask"].float(), config.loss_reduction, size, args["max_new_tokens"]
     )
-    new_logp = batch["new_logp"].clone().requires_grad_(True)
-    entropy = torch.zeros(mask.shape[0], batch["prompt_ids"].shape[1] + mask.shape[1])
-    policy_loss_fn = adapter.ppo_utils.PolicyLossRegistry.get("regular")
-    theirs = _worker_loss(
-        worker.PolicyWorkerBase._forward_backward_micro,
-        (new_logp, {"entropy": entropy}),
-        config,
-        _experience(batch, scaled),
-        1.0,
-        policy_loss_fn=policy_loss_fn,
-    )
-    torch.testing.assert_close(adapter.loss(batch, args), theirs, rtol=0, atol=1e-7)
+    total = 0.0
+    for start in range(0, N, size):
+        rows = torch.arange(start, min(start + size, N))
+        micro = inputs("loss", dict(select_rows(whole, rows), num_seqs=N, num_tokens=whole["num_tokens"]), args)
+        theirs = _worker_loss(
+            worker.PolicyWorkerBase._forward_backward_micro,
+            (micro["new_logp"].clone().requires_grad_(True), {"entropy": _at_positions(micro["new_logp"], micro)}),
+            config,
+            _experience(micro, scaled[rows]),
+            len(rows) / N,  # forward_backward's microbatch_weight: the micro-batch's share of sequences
+            policy_loss_fn=policy_loss_fn,
+        )
+        ours = adapter.loss(micro, args)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+        total = total + ours
+    whole_loss = adapter.loss(inputs("loss", whole, args), args)
+    torch.testing.assert_close(total, whole_loss, rtol=0, atol=1e-6)
 
     args, steps, _, _ = load_dump(verify_dumps["ppo"])
+    assert args["ent_coef"] > 0 and args["vf_coef"] > 0
     d = steps[2]
     micro = inputs("loss", micro_batch(d), args)
     minibatch = d["minibatch_index"].tolist()
     rows = [minibatch.index(i) for i in d["micro_index"].tolist()]
-    config = types.SimpleNamespace(
-        **vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=False, kl_loss_coef=0.0, temperature=1.0
-    )
+    assert 1 < len(minibatch) // len(rows), "the recommended PPO dump has more than one micro-batch a minibatch"
+    config = dict(vars(adapter._config(args)), use_entropy_loss=True, entropy_loss_coef=args["ent_coef"])
+    config = types.SimpleNamespace(**config, use_kl_loss=False, kl_loss_coef=0.0, temperature=1.0)
     config.enable_sample_support_replay = False
     scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
         d["advantages"][minibatch], d["completion_mask"][minibatch].float(), "token_mean", len(rows), 4
     )[rows]
     weight = len(rows) / len(minibatch)
-    entropy = torch.zeros(len(rows), micro["prompt_ids"].shape[1] + micro["completion_mask"].shape[1])
+    entropy = micro["entropy"].clone().requires_grad_(True)
     policy = _worker_loss(
         worker.PolicyWorkerBase._forward_backward_micro,
-        (micro["new_logp"].clone().requires_grad_(True), {"entropy": entropy}),
+        (micro["new_logp"].clone().requires_grad_(True), {"entropy": _at_positions(entropy, micro)}),
         config,
         _experience(micro, scaled),
         weight,
@@ -291,3 +313,5 @@ def test_the_adapters_loss_is_the_skyrl_workers_own(skyrl_grpo, verify_dumps, sk
         _micro_batches_accumulated=0,
     )
     torch.testing.assert_close(adapter.loss(micro, args), policy + args["vf_coef"] * critic, rtol=0, atol=1e-7)
+    without = adapter.loss(dict(micro, entropy=torch.zeros_like(micro["entropy"])), args)
+    assert abs(adapter.loss(micro, args) - without) > 1e-4  # the entropy loss counts: a wrong sign would show
