@@ -982,6 +982,22 @@ MUTANTS = [
         replace='loss = loss + args["vf_coef"] * critic_loss',
     ),
     dict(
+        name="skyrl-entropy-bonus-sign",
+        file="verifier/adapters/skyrl.py",
+        tests=["tests/test_verify_skyrl.py", "-k", "workers_own"],
+        what="the SkyRL adapter adds the worker's entropy loss where the worker subtracts it (a penalty on entropy)",
+        find='loss = loss - torch_utils.masked_mean(entropy, mask) * args["ent_coef"] * microbatch_weight',
+        replace='loss = loss + torch_utils.masked_mean(entropy, mask) * args["ent_coef"] * microbatch_weight',
+    ),
+    dict(
+        name="skyrl-kl-loss-unweighted",
+        file="verifier/adapters/skyrl.py",
+        tests=["tests/test_verify_skyrl.py", "-k", "workers_own"],
+        what="the SkyRL adapter forgets microbatch_weight on the KL loss: each micro-batch adds the whole KL term",
+        find='loss = loss + kl_loss * args["beta"] * microbatch_weight',
+        replace='loss = loss + kl_loss * args["beta"]',
+    ),
+    dict(
         name="areal-engine-share-dropped",
         file="verifier/adapters/areal.py",
         tests=["tests/test_verify_areal.py", "-k", "ppo"],
