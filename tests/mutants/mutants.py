@@ -1006,6 +1006,14 @@ MUTANTS = [
         replace="total = loss",
     ),
     dict(
+        name="areal-share-of-sequences",
+        file="verifier/adapters/areal.py",
+        tests=["tests/test_verify_areal.py", "-k", "engines_own"],
+        what="the AReaL adapter weighs a micro-batch by its share of sequences (SkyRL's weight), not of tokens",
+        find='share = mask.count_nonzero() / batch["num_tokens"]',
+        replace='share = len(mask) / batch["num_seqs"]',
+    ),
+    dict(
         name="help-names-a-file-elsewhere",
         file="grpo.py",
         tests=["tests/test_layout.py", "-k", "help"],
