@@ -164,10 +164,7 @@ def _unsupported(args, loss=False):
             "--beta 0"
         )
     if loss and args["script"] == "ppo" and args["ent_coef"] > 0:
-        raise NotImplementedError(
-            "AReaL's actor has no entropy bonus (grpo_loss_fn detaches the entropy, for its logs): make the dump with "
-            "--ent-coef 0"
-        )
+        raise NotImplementedError("AReaL's actor has no entropy bonus (grpo_loss_fn detaches it): use --ent-coef 0")
 
 
 def known_differences(args, options):
@@ -185,11 +182,10 @@ def known_differences(args, options):
         )
     if args["script"] == "ppo":
         n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
-        out["advantages"] = dict(
+        out["advantages"] = dict(  # the factor is 1 - sqrt(1 - 1 / N) <= 1 - sqrt(1 - 1 / n), the eps 1e-5 / std
             why="AReaL whitens GAE's advantages as (A - mean) / (std + 1e-5) with the unbiased std, ppo.py as "
             "(A - mean) * rsqrt(var + --adv-eps) with the population variance: a factor sqrt(1 - 1 / N) over N real "
-            "tokens (N at least the n completions: 1 - sqrt(1 - 1 / n) at most), and 1e-5 / std (1e-3 for a std "
-            "of 1e-2)",
+            "tokens (at least the n completions), and 1e-5 / std (1e-3 for a std of 1e-2)",
             where="areal/utils/data.py, Normalization (std_unbiased=True, eps=1e-5)",
             bound=("rel", 1 - (1 - 1 / n) ** 0.5 + 1e-3),
         )
@@ -347,9 +343,8 @@ def per_token_loss(batch, args):
     real = batch["completion_mask"]
     weight = torch.ones(real.shape, requires_grad=True)
     advantages = batch["advantages"] if args["script"] == "ppo" else batch["advantages"][:, None].expand_as(real)
-    policy_only = dict(
-        args, script="grpo", beta=0.0, loss_agg="token-mean", scale_rewards="group"
-    )  # the actor's loss alone
+    # the actor's loss alone
+    policy_only = dict(args, script="grpo", beta=0.0, loss_agg="token-mean", scale_rewards="group")
     policy_only["num_iterations"] = 2 if args["script"] == "ppo" else args["num_iterations"]
     token_sum = _losses(batch["new_logp"], dict(batch, advantages=advantages * weight, num_tokens=1), policy_only)
     (per_token,) = torch.autograd.grad(token_sum, weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t = m_t L_t at w = 1

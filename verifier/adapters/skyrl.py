@@ -18,8 +18,10 @@ What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/
                        scaled by apply_loss_reduction_to_advantages_minibatch (token_mean, sequence_mean,
                        seq_mean_token_sum_norm), then the worker's assembly (workers/worker.py,
                        _forward_backward_micro): policy_loss + kl_loss_coef * masked_mean(compute_approx_kl(k3),
-                       dim=-1).mean() * microbatch_weight; PPO: + vf_coef * ppo_critic_loss * microbatch_weight
-                       (tests/test_verify_skyrl.py runs SkyRL's own workers on the same batch: the same loss)
+                       dim=-1).mean() * microbatch_weight (the micro-batch's share of its minibatch's sequences);
+                       PPO: - entropy_loss_coef * masked_mean(entropy, loss_mask) * microbatch_weight (its
+                       chunked_entropy_from_logits) + vf_coef * ppo_critic_loss * microbatch_weight
+                       (tests/test_verify_skyrl.py runs SkyRL's own workers on each micro-batch: the same loss)
   log-probs            torch_utils.logprobs_from_logits on logits / temperature, with the position ids of
                        HFModelWrapper.forward (attention_mask.cumsum(-1) - 1, 1 on padding)
 
@@ -147,34 +149,23 @@ def known_differences(args, chosen):
             where="skyrl/backends/skyrl_train/utils/ppo_utils.py, masked_whiten (masked_var, unbiased=True)",
             bound=("rel", 1 / n),
         )
-        terms, where = [], []
-        if args["vf_coef"] > 0:
-            terms.append(
-                "its ppo_critic_loss averages the value loss per sequence, then over sequences (masked_mean(loss, "
-                "dim=-1).mean()), ppo.py over the minibatch's tokens"
-            )
-            where.append("ppo_utils.py, ppo_critic_loss")
-        if args["ent_coef"] > 0:
-            terms.append(
-                "its worker's entropy loss is the micro-batch's token mean (masked_mean(entropy, loss_mask)), "
-                "ppo.py's a token mean over the minibatch"
-            )
-            where.append("workers/worker.py, _forward_backward_micro (entropy_loss_term)")
-        if terms:
+        terms = [
+            ("vf_coef", "its ppo_critic_loss averages the value loss per sequence (masked_mean(loss, dim=-1).mean())"),
+            ("ent_coef", "its entropy loss is the micro-batch's token mean (masked_mean(entropy, loss_mask))"),
+        ]
+        terms = [text for flag, text in terms if args[flag] > 0]
+        where = "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro; utils/ppo_utils.py"
+        if terms:  # measured (recommended PPO dump; REINFORCE++): loss rel 2.1e-04, 1.2e-03; gradient 1.7e-02, 3.2e-05
             why = (
-                f"SkyRL weighs a term by each micro-batch's share of sequences (microbatch_weight) where "
-                f"ppo.py weighs every token of the minibatch alike: {'; '.join(terms)}; the same per-token terms "
-                "(the per-token loss row), weighted otherwise wherever completions differ in length"
+                f"SkyRL weighs a term by each micro-batch's share of sequences (microbatch_weight), ppo.py every token "
+                f"of the minibatch alike: {'; '.join(terms)}; the same per-token terms (the per-token loss row), "
+                "weighted otherwise wherever completions differ in length"
             )
-            where = "skyrl/backends/skyrl_train/" + "; ".join(where) + "; workers/worker.py, microbatch_weight"
-            # measured on verify.py's recommended PPO dump: loss rel 2.1e-04, gradient rel 1.7e-02; without a
-            # critic (the REINFORCE++ dump, the entropy alone): loss rel 1.2e-03, gradient rel 3.2e-05
             out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"] + args["ent_coef"]))
             out["gradient"] = dict(
-                why="the same weights on the gradient (of the critic's parameters for the value loss, of the "
-                "policy's for the entropy): measured rel 1.7e-02 on verify.py's recommended PPO dump (the value "
-                "loss's weights), 3.2e-05 without a critic (the entropy's); the bound is that with a margin, and a "
-                "dump whose completions differ more in length fails it, showing the size",
+                why="the same weights on the gradient: measured rel 1.7e-02 on verify.py's recommended PPO dump, "
+                "3.2e-05 without a critic (the entropy's alone); the bound is that with a margin, and a dump whose "
+                "completions differ more in length fails it, showing the size",
                 where=where,
                 bound=("rel", 5e-2 if args["vf_coef"] > 0 else 1e-3),
             )
@@ -303,8 +294,7 @@ def kl(batch, args):
 
 
 def token_logprobs(model, batch, args, entropy=False):
-    """HFModelWrapper.forward's log-probs (and, with `entropy`, its chunked_entropy_from_logits with the gradient, as
-    the worker asks for it when use_entropy_loss), read at the completion's tokens as the worker reads them."""
+    """HFModelWrapper.forward's log-probs (with `entropy`: and its chunked_entropy_from_logits), as the worker reads."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     position_ids = attention_mask.long().cumsum(-1) - 1  # HFModelWrapper.forward's two lines
@@ -335,8 +325,7 @@ def _minibatch_mask(mask, num_seqs, num_tokens):
 
 def _losses(new_logp, batch, args, mask, new_values=None, entropy=None):
     """The worker's loss on one micro-batch: the policy loss on reduction-scaled advantages (+ the KL loss for GRPO;
-    - the entropy loss and + vf_coef * the critic loss for PPO), each term the worker does not prescale weighted by
-    the micro-batch's share of its minibatch's sequences (microbatch_weight)."""
+    - the entropy loss + vf_coef * the critic loss for PPO), each other term weighted by microbatch_weight."""
     _no_bias_correction(args)
     config = _config(args, "gspo" if args.get("importance_level") == "sequence" else "regular")
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
@@ -400,9 +389,8 @@ def loss(batch, args):
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp, entropy = token_logprobs(model, batch, args), None
-    if args["script"] == "ppo" and args["ent_coef"] > 0:  # the worker's entropy_requires_grad
-        new_logp, entropy = token_logprobs(model, batch, args, entropy=True)
+    out = token_logprobs(model, batch, args, entropy=args["script"] == "ppo" and args["ent_coef"] > 0)
+    new_logp, entropy = out if isinstance(out, tuple) else (out, None)  # with the gradient: use_entropy_loss
     new_values = None
     if critic is not None:  # this project's critic: SkyRL's is its worker's model
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
