@@ -182,12 +182,13 @@ def known_differences(args, options):
         )
     if args["script"] == "ppo":
         n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
-        out["advantages"] = dict(  # the factor is 1 - sqrt(1 - 1 / N) <= 1 - sqrt(1 - 1 / n), the eps 1e-5 / std
+        out["advantages"] = dict(  # 1 - sqrt(1 - 1 / N) <= 1 - sqrt(1 - 1 / n); the eps terms for a std >= 1e-2
             why="AReaL whitens GAE's advantages as (A - mean) / (std + 1e-5) with the unbiased std, ppo.py as "
             "(A - mean) * rsqrt(var + --adv-eps) with the population variance: a factor sqrt(1 - 1 / N) over N real "
-            "tokens (at least the n completions), and 1e-5 / std (1e-3 for a std of 1e-2)",
+            "tokens (at least the n completions), 1e-5 / std and adv_eps / (2 var) (1e-3 and 5e3 adv_eps for a std "
+            "of 1e-2)",
             where="areal/utils/data.py, Normalization (std_unbiased=True, eps=1e-5)",
-            bound=("rel", 1 - (1 - 1 / n) ** 0.5 + 1e-3),
+            bound=("rel", 1 - (1 - 1 / n) ** 0.5 + 1e-3 + 5e3 * args["adv_eps"]),
         )
     return out
 
