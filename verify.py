@@ -364,7 +364,9 @@ def main(argv=None, fresh=False):
     the checks run in keeps torch's threads (isolation.py)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dump_dir", help="the --dump-dir of a grpo.py or ppo.py run")
-    parser.add_argument("--against", default="self", help="adapter: self, trl, verl, openrlhf, or a .py file")
+    parser.add_argument(
+        "--against", default="self", help="adapter: self, trl, verl, openrlhf, skyrl, areal, or a .py file"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an adapter option")
     parser.add_argument("--tol", action="append", default=[], metavar="QUANTITY=VALUE", help="a tolerance")
     parser.add_argument(

@@ -137,18 +137,13 @@ REAL_DIFFERENCES = [
         "SkyRL 0.4.0",
         "loss",
         "GRPO: the KL loss is a per-sequence mean whatever loss_reduction (token_mean: the loss "
-        "differs); PPO: the critic loss is a per-sequence mean, ppo.py's a token mean",
+        "differs); PPO: the critic loss a per-sequence mean and the entropy loss a micro-batch's token mean, each "
+        "times the micro-batch's share of sequences, ppo.py's a token mean over the minibatch",
         "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro (masked_mean(kl_loss, loss_mask, dim=-1)"
-        ".mean()); ppo_utils.py, ppo_critic_loss",
+        ".mean(), masked_mean(entropy_BS, loss_mask), microbatch_weight); ppo_utils.py, ppo_critic_loss",
         "undocumented choice (a code comment says the KL is not pre-scaled)",
     ),
-    (
-        "SkyRL 0.4.0",
-        "gradient",
-        "the same two aggregations, on the gradient (some elements change sign)",
-        "as the loss",
-        "undocumented choice",
-    ),
+    ("SkyRL 0.4.0", "gradient", "the same aggregations, on the gradient", "as the loss", "undocumented choice"),
     (
         "AReaL 1.0.4",
         "advantages",

@@ -1,16 +1,31 @@
-"""AReaL 1.0.4 through verify.py (verifier/adapters/areal.py): its actor loss agrees once the dump takes its
-settings (no KL in the loss, the token mean), its log-probs and gradient on its right-padded layout agree, its PPO
-rewards, returns, KL and loss agree, its advantages differ by named differences accepted within their bounds, and a
-bug planted in a copy of its advantage, log-prob or loss code fails that row. Skips where AReaL is not installed
-apart (requirements/areal.txt)."""
+"""AReaL 1.0.4 through verify.py (verifier/adapters/areal.py): its actor loss agrees once the dump takes its settings
+(no KL in the loss, the token mean, no entropy bonus), its log-probs and gradient on its right-padded layout agree,
+its PPO rewards, returns, KL and loss agree, its advantages differ by named differences accepted within their bounds,
+and a bug planted in a copy of its advantage, log-prob or loss code fails that row. Skips where AReaL is not
+installed apart (requirements/areal.txt)."""
+
+import __future__
+
+import ast
+import functools
+import os
+import types
 
 import pytest
-from verify_helpers import GRPO_RECIPE, make_dump, planted_site, rows, run, site
+import torch
+from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
+
+import verify
+from common import select_rows
+from verifier.dump import inputs, load_dump, whole_batch
 
 REQUIREMENTS = "requirements/areal.txt"
 # verify.py's recommended GRPO dump with AReaL's settings: its KL goes into the reward (kl_ctl), never the loss,
 # and its actor's loss is a token mean. The batch's std stays: AReaL's adv_norm has it (std_level batch).
 AREAL_GRPO = dict(GRPO_RECIPE, beta=0.0, loss_agg="token-mean")
+# verify.py's recommended PPO dump without the entropy bonus AReaL's actor does not have (grpo_loss_fn detaches it).
+AREAL_PPO = dict(PPO_RECIPE, ent_coef=0.0)
+LOSS_ROWS = ["per-token loss", "loss", "gradient"]
 
 
 @pytest.fixture(scope="module")
@@ -19,27 +34,53 @@ def areal_grpo(tmp_path_factory):
     return make_dump(tmp_path_factory.mktemp("areal"), "grpo", **AREAL_GRPO)
 
 
+@pytest.fixture(scope="module")
+def areal_ppo(tmp_path_factory):
+    site("areal", REQUIREMENTS)
+    return make_dump(tmp_path_factory.mktemp("areal"), "ppo", **AREAL_PPO)
+
+
 @pytest.fixture
 def areal_site(monkeypatch):
     monkeypatch.setenv("AREAL_SITE", site("areal", REQUIREMENTS))
 
 
 def test_areal_grpo_passes_with_its_token_weighted_advantages_accepted(areal_grpo, areal_site, capsys):
+    """Micro-batches of 32 (the recommended dump's): the engine's token-share weights give this project's gradient;
+    AReaL has no KL term in the loss, so the loss rows name it as never exercised rather than a plain pass."""
     code, out, _ = run(capsys, areal_grpo, "--against", "areal")
     results = rows(out)
     assert code == 1 and results["advantages"].startswith("FAIL") and "FAIL: advantages" in out, out
     code, out, _ = run(capsys, areal_grpo, "--against", "areal", "--accept", "advantages")
     results = rows(out)
-    assert code == 0 and all(results[q] == "pass" for q in ["log-probs", "per-token loss", "loss", "gradient"]), out
+    assert code == 0 and results["log-probs"] == "pass", out
+    for q in LOSS_ROWS:
+        assert results[q].startswith("pass; never exercised: a KL term (--beta > 0)"), out
+        assert "micro-batch" not in results[q], out  # more than one micro-batch: exercised
     assert results["advantages"].startswith("differs (known: AReaL normalises the advantages over tokens"), out
+    assert "never exercised by this dump: per-token loss (a KL term" in out.splitlines()[-1], out
 
 
-def test_areal_ppo_agrees_but_for_its_whitening(verify_dumps, areal_site, capsys):
+def test_areal_ppo_agrees_but_for_its_whitening(areal_ppo, areal_site, capsys):
+    """A PPO dump without the entropy bonus AReaL lacks: every row agrees (micro-batches of 4 in minibatches of 8,
+    weighted by their tokens as AReaL's engine weighs them) but the whitening, accepted within its bound."""
+    code, out, _ = run(capsys, areal_ppo, "--against", "areal", "--accept", "advantages")
+    results = rows(out)
+    expected = ["rewards", "returns", "log-probs", "kl", *LOSS_ROWS]
+    assert code == 0 and all(results[q] == "pass" or results[q].startswith("pass; never") for q in expected), out
+    assert all("entropy" in results[q] for q in LOSS_ROWS), out  # never exercised: named
+    assert results["advantages"].startswith("differs (known: AReaL whitens GAE's advantages"), out
+
+
+def test_areal_ppo_leaves_the_entropy_bonus_uncompared(verify_dumps, areal_site, capsys):
+    """The recommended PPO dump (--ent-coef 0.01): AReaL's actor has no entropy bonus, so the loss rows are not
+    compared, each saying which flag to set, and verify says INCOMPLETE, never PASS."""
     code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "areal", "--accept", "advantages")
     results = rows(out)
-    expected = ["rewards", "returns", "log-probs", "kl", "per-token loss", "loss", "gradient"]
-    assert code == 0 and all(results[q] == "pass" for q in expected), out
-    assert results["advantages"].startswith("differs (known: AReaL whitens GAE's advantages"), out
+    assert code == 4 and out.splitlines()[-1].startswith("INCOMPLETE"), out
+    assert all(results[q].startswith("skip: AReaL's actor has no entropy bonus") for q in LOSS_ROWS), out
+    assert all("--ent-coef 0" in results[q] for q in LOSS_ROWS), out
+    assert all(results[q] == "pass" for q in ["rewards", "returns", "log-probs", "kl"]), out
 
 
 BUGS = {  # file under areal/, the line, the bug, the dump, the rows it fails (advantages accepted within bound)
@@ -84,10 +125,106 @@ BUGS = {  # file under areal/, the line, the bug, the dump, the rows it fails (a
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
-def test_a_bug_planted_in_areal_fails_its_rows(areal_grpo, verify_dumps, capsys, tmp_path, monkeypatch, bug):
+def test_a_bug_planted_in_areal_fails_its_rows(areal_grpo, areal_ppo, capsys, tmp_path, monkeypatch, bug):
     file, find, replace, script, caught = BUGS[bug]
     monkeypatch.setenv("AREAL_SITE", planted_site(tmp_path, file, find, replace, name="areal"))
-    dump = areal_grpo if script == "grpo" else verify_dumps["ppo"]
+    dump = areal_grpo if script == "grpo" else areal_ppo
     code, out, _ = run(capsys, dump, "--against", "areal", "--accept", "advantages")
     results = rows(out)
     assert code == 1 and all(results[q].startswith("FAIL") for q in caught), out
+
+
+# AReaL's engine scales each micro-batch's loss itself: FSDPEngine._compute_logprobs_and_loss (engine/fsdp_engine.py)
+# multiplies loss_fn's by local weight / total weight, the total from compute_total_loss_weight (engine/core/
+# train_engine.py) over the minibatch's micro-batches. Their modules import FSDP, peft and the rest of the engine, so
+# these functions' own source is compiled apart, with a single process's all_reduce (the identity) for
+# torch.distributed.
+ENGINE = {
+    "engine/fsdp_engine.py": ["_compute_logprobs_and_loss", "_compute_logprobs_entropy", "_get_vocab_min_max_logits"],
+    "engine/core/train_engine.py": ["compute_total_loss_weight"],
+}
+
+
+def _engine_functions(adapter):
+    namespace = dict(
+        torch=torch,
+        Any=object,
+        Callable=object,
+        dist=types.SimpleNamespace(all_reduce=lambda tensor, group=None: tensor, ProcessGroup=object),
+        gather_logprobs_entropy=adapter.vocab.gather_logprobs_entropy,
+    )
+    for file, names in ENGINE.items():
+        path = os.path.join(site("areal", REQUIREMENTS), "areal", file)
+        tree = ast.parse(open(path).read())
+        found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in names]
+        assert sorted(n.name for n in found) == sorted(names), f"{file}: the engine's functions moved"
+        module = ast.Module(body=found, type_ignores=[])
+        exec(compile(module, path, "exec", flags=__future__.annotations.compiler_flag), namespace)
+    return namespace
+
+
+def _packed(adapter, model, batch, args):
+    """A micro-batch as AReaL's engine gets it: each sequence's real tokens one after another ([1, L] ids; logits
+    [L, V] from the model on AReaL's right-padded layout), each completion token's old log-prob, advantage and loss
+    mask at the position that predicts it."""
+    where, attention_mask, _ = adapter._layout(batch)
+    width = attention_mask.shape[1]
+    ids = adapter._at(batch["prompt_ids"] * batch["prompt_mask"], adapter._prompt_positions(batch), width)
+    ids = ids + adapter._at(batch["completion_ids"] * batch["completion_mask"], where, width)
+    inputs = adapter.data.amend_position_ids(dict(input_ids=ids, attention_mask=attention_mask))
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=inputs["position_ids"]).logits
+    mask = batch["completion_mask"].float()
+    advantages = batch["advantages"][:, None].expand_as(mask)
+    fields = {
+        "logprobs": adapter._at(batch["old_logp"] * mask, where - 1, width),
+        "advantages": adapter._at(advantages * mask, where - 1, width),
+        "loss_mask": adapter._at(mask, where - 1, width),
+    }
+    real = attention_mask.bool()
+    mb_input = {key: value[real] for key, value in fields.items()}
+    mb_input["prox_logp"] = mb_input["logprobs"]
+    return logits[real], ids[real][None], mb_input
+
+
+def test_the_adapters_micro_batch_loss_is_the_areal_engines_own(areal_grpo, areal_site):
+    """Each micro-batch of 32 of the recommended GRPO dump (AReaL's settings), the whole batch AReaL's minibatch:
+    the adapter's train_loss, called as verify calls it, equals the loss AReaL's engine backpropagates for that
+    micro-batch (grpo_loss_fn scaled by its share of the minibatch's loss-mask tokens), and their gradients agree."""
+    adapter, ours = verify.load_adapter("areal"), verify.load_adapter("self")
+    engine = _engine_functions(adapter)
+    args, steps, _, _ = load_dump(areal_grpo)
+    model = ours.initial_models(args)[0].train()
+    whole = inputs("train_loss", whole_batch(steps[2], args), args)
+    N, size = len(whole["completion_mask"]), args["micro_batch_size"]
+    assert N > size, "the recommended GRPO dump has more than one micro-batch"
+    micros = [
+        dict(select_rows(whole, torch.arange(i, min(i + size, N))), num_seqs=N, num_tokens=whole["num_tokens"])
+        for i in range(0, N, size)
+    ]
+    me = types.SimpleNamespace(
+        config=types.SimpleNamespace(is_critic=False, temperature=args["temperature"]),
+        enable_tree_training=False,
+        parallel_helper=types.SimpleNamespace(tp_size=1, sp_size=1),
+    )
+    me._compute_logprobs_entropy = functools.partial(engine["_compute_logprobs_entropy"], me)
+    me._get_vocab_min_max_logits = functools.partial(engine["_get_vocab_min_max_logits"], me)
+    loss_fn = functools.partial(
+        adapter.actor.grpo_loss_fn, eps_clip=args["clip_low"], eps_clip_higher=args["clip_high"], c_clip=None
+    )
+    loss_weight_fn = lambda x: x["loss_mask"].count_nonzero()  # noqa: E731 (PPOActor.ppo_update's)
+    packed = [_packed(adapter, model, micro, args) for micro in micros]
+    total = engine["compute_total_loss_weight"](types.SimpleNamespace(mbs=[p[2] for p in packed]), loss_weight_fn, None)
+    for micro, (logits, ids, mb_input) in zip(micros, packed):
+        ctx = types.SimpleNamespace(
+            mb_input=mb_input, model_inputs={"input_ids": ids}, ulysses_pad_size=0, pad_length=0
+        )
+        model.zero_grad()
+        theirs = engine["_compute_logprobs_and_loss"](me, logits, ctx, loss_fn, loss_weight_fn, total)
+        theirs.backward()
+        expected = torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad()
+        loss = adapter.train_loss(model, micro, args)
+        loss.backward()
+        actual = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(loss, theirs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6)

@@ -15,6 +15,7 @@ import torch
 from verify_helpers import GRPO_RECIPE, PPO_RECIPE, make_dump, planted_site, rows, run, site
 
 import verify
+from common import select_rows
 from verifier.dump import inputs, load_dump, micro_batch, whole_batch
 
 REQUIREMENTS = "requirements/skyrl.txt"
@@ -48,33 +49,42 @@ def test_skyrl_says_why_the_plain_recommended_grpo_dump_is_incomplete(verify_dum
     assert results["loss"].startswith("skip: SkyRL has no ratio-weighted k3"), out
 
 
-def test_skyrl_ppo_names_its_value_loss_aggregation(verify_dumps, skyrl_site, capsys):
-    """The recommended PPO dump: rewards, returns, the controller, KL and per-token loss agree; the whitening and the
-    per-sequence value loss are named known differences, and the gradient fails, naming why."""
-    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", "--accept", "advantages", "--accept", "loss")
+def test_skyrl_ppo_names_its_value_loss_and_entropy_weights(verify_dumps, skyrl_site, capsys):
+    """The recommended PPO dump (--ent-coef 0.01, micro-batches of 4 in minibatches of 8): rewards, returns, the
+    controller, KL and the per-token loss (its entropy term too) agree; the whitening and SkyRL's micro-batch weights
+    (the value loss per sequence, the entropy a micro-batch's token mean) are named known differences, and the
+    gradient fails unless its own is accepted: a real difference, never a plain pass."""
+    accepted = ["--accept", "advantages", "--accept", "loss"]
+    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", *accepted)
     results = rows(out)
     assert code == 1 and out.splitlines()[-1] == "FAIL: gradient", out
     assert all(results[q] == "pass" for q in ["rewards", "returns", "kl_coef", "kl", "per-token loss"]), out
     assert results["advantages"].startswith("differs (known: SkyRL whitens GAE's advantages"), out
-    assert results["loss"].startswith("differs (known: SkyRL's ppo_critic_loss averages"), out
-    assert "the value loss's weights above move the critic's gradient" in out, out
+    assert results["loss"].startswith("differs (known: SkyRL weighs a term by each micro-batch's share"), out
+    assert "ppo_critic_loss averages" in results["loss"] and "entropy loss" in results["loss"], out
+    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "skyrl", *accepted, "--accept", "gradient")
+    assert code == 0 and rows(out)["gradient"].startswith("differs (known: the same weights on the gradient"), out
 
 
 def test_skyrl_reinforce_pp_agrees_with_ppo_without_a_critic(skyrl_site, capsys, tmp_path):
     """ppo.py --vf-coef 0 --lam 1 is REINFORCE++ (docs/fork.md): SkyRL's own "reinforce++" estimator recomputes its
-    returns exactly, its advantages but for the whitening's variance; a return to go without gamma fails both."""
+    returns exactly, its advantages but for the whitening's variance; the per-token loss agrees, the loss and gradient
+    differ by the entropy's micro-batch weights alone (named); a return to go without gamma fails both."""
     flags = {k: v for k, v in PPO_RECIPE.items() if k not in ("critic_learning_rate", "cliprange_value")}
     dump = make_dump(tmp_path, "ppo", **dict(flags, vf_coef=0.0, lam=1.0))
-    code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+    accepted = ["--accept", "advantages", "--accept", "loss", "--accept", "gradient"]
+    code, out, _ = run(capsys, dump, "--against", "skyrl", *accepted)
     results = rows(out)
-    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "loss", "gradient"]), out
+    assert code == 0 and all(results[q].startswith("pass") for q in ["rewards", "returns", "per-token loss"]), out
+    assert results["loss"].startswith("differs (known: SkyRL weighs") and "ppo_critic_loss" not in results["loss"]
+    assert "entropy loss" in results["loss"] and results["gradient"].startswith("differs (known:"), out
     find = "running_return = token_level_rewards[:, t] + gamma * running_return"
     copy = planted_site(
         tmp_path, "backends/skyrl_train/utils/ppo_utils.py", find, find.replace("gamma * ", ""), "skyrl"
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SKYRL_SITE", copy)
-        code, out, _ = run(capsys, dump, "--against", "skyrl", "--accept", "advantages")
+        code, out, _ = run(capsys, dump, "--against", "skyrl", *accepted)
     assert code == 1 and rows(out)["returns"].startswith("FAIL") and rows(out)["advantages"].startswith("FAIL"), out
 
 
@@ -222,51 +232,72 @@ def _experience(batch, advantages, **more):
     )
 
 
+def _at_positions(values, batch):
+    """[n, T] values of the completion's tokens as the worker's model output holds them, [n, P + T]: the value of
+    completion token t at the position that predicts it (the worker reads [:, -num_actions - 1 : -1])."""
+    P = batch["prompt_ids"].shape[1]
+    out = torch.zeros(len(values), P + values.shape[1])
+    out[:, P - 1 : -1] = values
+    return out
+
+
 def test_the_adapters_loss_is_the_skyrl_workers_own(skyrl_grpo, verify_dumps, skyrl_site):
-    """GRPO (the whole batch, the KL loss in) and a PPO micro-batch (policy on minibatch-scaled advantages, and the
-    critic's loss weighted by its share of sequences): the adapter's loss equals what SkyRL's workers backpropagate."""
+    """GRPO: each micro-batch of the recommended 32 (the KL loss in, weighted by microbatch_weight; the policy loss
+    on advantages scaled over the whole batch, as the trainer scales a minibatch's), summing to the whole batch's
+    loss. PPO: a micro-batch of 4 in its minibatch of 8 (the entropy loss in, --ent-coef 0.01; the critic's loss
+    weighted by its share of sequences). On each micro-batch, with the whole batch's (minibatch's) counts as verify
+    hands them to train_loss, the adapter's loss is what SkyRL's workers backpropagate."""
     adapter = verify.load_adapter("skyrl")
     worker = _skyrl_worker(adapter)
+    policy_loss_fn = adapter.ppo_utils.PolicyLossRegistry.get("regular")
     args, steps, _, _ = load_dump(skyrl_grpo)
-    batch = inputs("loss", whole_batch(steps[2], args), args)
-    mask, advantages = batch["completion_mask"], batch["advantages"][:, None].expand_as(batch["new_logp"])
+    whole = whole_batch(steps[2], args)
+    N, size = len(whole["completion_mask"]), args["micro_batch_size"]
+    assert N > size, "the recommended GRPO dump has more than one micro-batch"
+    advantages = whole["advantages"][:, None].expand_as(whole["new_logp"])
     config = dict(vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=True, kl_loss_coef=args["beta"])
     config = types.SimpleNamespace(
         **config, kl_estimator_type="k3", temperature=1.0, enable_sample_support_replay=False
     )
     scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
-        advantages, mask, config.loss_reduction, len(mask), args["max_new_tokens"]
+        advantages, whole["completion_mask"].float(), config.loss_reduction, size, args["max_new_tokens"]
     )
-    new_logp = batch["new_logp"].clone().requires_grad_(True)
-    entropy = torch.zeros(mask.shape[0], batch["prompt_ids"].shape[1] + mask.shape[1])
-    policy_loss_fn = adapter.ppo_utils.PolicyLossRegistry.get("regular")
-    theirs = _worker_loss(
-        worker.PolicyWorkerBase._forward_backward_micro,
-        (new_logp, {"entropy": entropy}),
-        config,
-        _experience(batch, scaled),
-        1.0,
-        policy_loss_fn=policy_loss_fn,
-    )
-    torch.testing.assert_close(adapter.loss(batch, args), theirs, rtol=0, atol=1e-7)
+    total = 0.0
+    for start in range(0, N, size):
+        rows = torch.arange(start, min(start + size, N))
+        micro = inputs("loss", dict(select_rows(whole, rows), num_seqs=N, num_tokens=whole["num_tokens"]), args)
+        theirs = _worker_loss(
+            worker.PolicyWorkerBase._forward_backward_micro,
+            (micro["new_logp"].clone().requires_grad_(True), {"entropy": _at_positions(micro["new_logp"], micro)}),
+            config,
+            _experience(micro, scaled[rows]),
+            len(rows) / N,  # forward_backward's microbatch_weight: the micro-batch's share of sequences
+            policy_loss_fn=policy_loss_fn,
+        )
+        ours = adapter.loss(micro, args)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+        total = total + ours
+    whole_loss = adapter.loss(inputs("loss", whole, args), args)
+    torch.testing.assert_close(total, whole_loss, rtol=0, atol=1e-6)
 
     args, steps, _, _ = load_dump(verify_dumps["ppo"])
+    assert args["ent_coef"] > 0 and args["vf_coef"] > 0
     d = steps[2]
     micro = inputs("loss", micro_batch(d), args)
     minibatch = d["minibatch_index"].tolist()
     rows = [minibatch.index(i) for i in d["micro_index"].tolist()]
-    config = types.SimpleNamespace(
-        **vars(adapter._config(args)), use_entropy_loss=False, use_kl_loss=False, kl_loss_coef=0.0, temperature=1.0
-    )
+    assert 1 < len(minibatch) // len(rows), "the recommended PPO dump has more than one micro-batch a minibatch"
+    config = dict(vars(adapter._config(args)), use_entropy_loss=True, entropy_loss_coef=args["ent_coef"])
+    config = types.SimpleNamespace(**config, use_kl_loss=False, kl_loss_coef=0.0, temperature=1.0)
     config.enable_sample_support_replay = False
     scaled = adapter.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
         d["advantages"][minibatch], d["completion_mask"][minibatch].float(), "token_mean", len(rows), 4
     )[rows]
     weight = len(rows) / len(minibatch)
-    entropy = torch.zeros(len(rows), micro["prompt_ids"].shape[1] + micro["completion_mask"].shape[1])
+    entropy = micro["entropy"].clone().requires_grad_(True)
     policy = _worker_loss(
         worker.PolicyWorkerBase._forward_backward_micro,
-        (micro["new_logp"].clone().requires_grad_(True), {"entropy": entropy}),
+        (micro["new_logp"].clone().requires_grad_(True), {"entropy": _at_positions(entropy, micro)}),
         config,
         _experience(micro, scaled),
         weight,
@@ -282,3 +313,5 @@ def test_the_adapters_loss_is_the_skyrl_workers_own(skyrl_grpo, verify_dumps, sk
         _micro_batches_accumulated=0,
     )
     torch.testing.assert_close(adapter.loss(micro, args), policy + args["vf_coef"] * critic, rtol=0, atol=1e-7)
+    without = adapter.loss(dict(micro, entropy=torch.zeros_like(micro["entropy"])), args)
+    assert abs(adapter.loss(micro, args) - without) > 1e-4  # the entropy loss counts: a wrong sign would show

@@ -26,7 +26,8 @@ controller classes actor.py defines beside PPOActor), areal.utils.logging (color
 (logging of statistics: no-ops), seqpack (numba), einops and torchdata (imported by utils/data.py for its other
 functions); areal.infra.platforms says is_npu_available, so vocab_parallel.py gathers eagerly rather than under
 torch.compile (its NPU path: the same function, uncompiled). Nothing of AReaL is copied here. AReaL has no KL term
-in the loss (kl_ctl puts it in the reward), one loss aggregation (the token mean) and no adaptive KL controller;
+in the loss (kl_ctl puts it in the reward), one loss aggregation (the token mean), no entropy bonus (grpo_loss_fn
+detaches the entropy: a dump with --ent-coef > 0 leaves the loss rows not compared) and no adaptive KL controller;
 its critic's values come from this project's critic. There is no `update`: AReaL's optimizer is its engine's.
 """
 
@@ -163,7 +164,7 @@ def _unsupported(args, loss=False):
             "--beta 0"
         )
     if loss and args["script"] == "ppo" and args["ent_coef"] > 0:
-        raise NotImplementedError("AReaL's actor has no entropy bonus (--ent-coef 0)")
+        raise NotImplementedError("AReaL's actor has no entropy bonus (grpo_loss_fn detaches it): use --ent-coef 0")
 
 
 def known_differences(args, options):
@@ -180,12 +181,14 @@ def known_differences(args, options):
             bound=("rel", 0.1),
         )
     if args["script"] == "ppo":
-        out["advantages"] = dict(
+        n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
+        out["advantages"] = dict(  # 1 - sqrt(1 - 1 / N) <= 1 - sqrt(1 - 1 / n); the eps terms for a std >= 1e-2
             why="AReaL whitens GAE's advantages as (A - mean) / (std + 1e-5) with the unbiased std, ppo.py as "
             "(A - mean) * rsqrt(var + --adv-eps) with the population variance: a factor sqrt(1 - 1 / N) over N real "
-            "tokens, under 1 / N, and eps / std",
+            "tokens (at least the n completions), 1e-5 / std and adv_eps / (2 var) (1e-3 and 5e3 adv_eps for a std "
+            "of 1e-2)",
             where="areal/utils/data.py, Normalization (std_unbiased=True, eps=1e-5)",
-            bound=("rel", 1 / (args["prompts_per_step"] * args["samples_per_prompt"]) + 1e-3),
+            bound=("rel", 1 - (1 - 1 / n) ** 0.5 + 1e-3 + 5e3 * args["adv_eps"]),
         )
     return out
 
@@ -341,9 +344,8 @@ def per_token_loss(batch, args):
     real = batch["completion_mask"]
     weight = torch.ones(real.shape, requires_grad=True)
     advantages = batch["advantages"] if args["script"] == "ppo" else batch["advantages"][:, None].expand_as(real)
-    policy_only = dict(
-        args, script="grpo", beta=0.0, loss_agg="token-mean", scale_rewards="group"
-    )  # the actor's loss alone
+    # the actor's loss alone
+    policy_only = dict(args, script="grpo", beta=0.0, loss_agg="token-mean", scale_rewards="group")
     policy_only["num_iterations"] = 2 if args["script"] == "ppo" else args["num_iterations"]
     token_sum = _losses(batch["new_logp"], dict(batch, advantages=advantages * weight, num_tokens=1), policy_only)
     (per_token,) = torch.autograd.grad(token_sum, weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t = m_t L_t at w = 1

@@ -18,8 +18,10 @@ What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/
                        scaled by apply_loss_reduction_to_advantages_minibatch (token_mean, sequence_mean,
                        seq_mean_token_sum_norm), then the worker's assembly (workers/worker.py,
                        _forward_backward_micro): policy_loss + kl_loss_coef * masked_mean(compute_approx_kl(k3),
-                       dim=-1).mean() * microbatch_weight; PPO: + vf_coef * ppo_critic_loss * microbatch_weight
-                       (tests/test_verify_skyrl.py runs SkyRL's own workers on the same batch: the same loss)
+                       dim=-1).mean() * microbatch_weight (the micro-batch's share of its minibatch's sequences);
+                       PPO: - entropy_loss_coef * masked_mean(entropy, loss_mask) * microbatch_weight (its
+                       chunked_entropy_from_logits) + vf_coef * ppo_critic_loss * microbatch_weight
+                       (tests/test_verify_skyrl.py runs SkyRL's own workers on each micro-batch: the same loss)
   log-probs            torch_utils.logprobs_from_logits on logits / temperature, with the position ids of
                        HFModelWrapper.forward (attention_mask.cumsum(-1) - 1, 1 on padding)
 
@@ -147,15 +149,26 @@ def known_differences(args, chosen):
             where="skyrl/backends/skyrl_train/utils/ppo_utils.py, masked_whiten (masked_var, unbiased=True)",
             bound=("rel", 1 / n),
         )
-        why = (
-            "SkyRL's ppo_critic_loss averages the value loss per sequence, then over sequences (masked_mean(loss, "
-            "dim=-1).mean(), times each micro-batch's share of sequences in the worker), ppo.py over the minibatch's "
-            "tokens: two weighted means of the same per-token value losses, so the loss differs by at most vf_coef "
-            "times the largest of them, and only where completions differ in length"
-        )
-        where = "skyrl/backends/skyrl_train/utils/ppo_utils.py, ppo_critic_loss; workers/worker.py, microbatch_weight"
-        if args["vf_coef"] > 0:
-            out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"]))
+        terms = [
+            ("vf_coef", "its ppo_critic_loss averages the value loss per sequence (masked_mean(loss, dim=-1).mean())"),
+            ("ent_coef", "its entropy loss is the micro-batch's token mean (masked_mean(entropy, loss_mask))"),
+        ]
+        terms = [text for flag, text in terms if args[flag] > 0]
+        where = "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro; utils/ppo_utils.py"
+        if terms:  # measured (recommended PPO dump; REINFORCE++): loss rel 2.1e-04, 1.2e-03; gradient 1.7e-02, 3.2e-05
+            why = (
+                f"SkyRL weighs a term by each micro-batch's share of sequences (microbatch_weight), ppo.py every token "
+                f"of the minibatch alike: {'; '.join(terms)}; the same per-token terms (the per-token loss row), "
+                "weighted otherwise wherever completions differ in length"
+            )
+            out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"] + args["ent_coef"]))
+            out["gradient"] = dict(
+                why="the same weights on the gradient: measured rel 1.7e-02 on verify.py's recommended PPO dump, "
+                "3.2e-05 without a critic (the entropy's alone); the bound is that with a margin, and a dump whose "
+                "completions differ more in length fails it, showing the size",
+                where=where,
+                bound=("rel", 5e-2 if args["vf_coef"] > 0 else 1e-3),
+            )
         if args["target_kl"] is not None and chosen["controller_kl"] == "mean":
             out["kl_coef"] = dict(
                 why="SkyRL's trainer feeds AdaptiveKLController the mean over completions of each one's per-token "
@@ -177,10 +190,6 @@ def differences(args, chosen):
             "(workers/worker.py, _forward_backward_micro)"
         )
     if args["script"] == "ppo":
-        out.append(
-            "gradient: the value loss's weights above move the critic's gradient too, some elements across 0 (so "
-            "--accept cannot take it): measured rel 4e-02 on verify.py's recommended PPO dump"
-        )
         if args["missing_eos_penalty"] > 0:
             out.append(
                 "SkyRL has no missing-EOS penalty of this form: the adapter subtracts --missing-eos-penalty from the "
@@ -284,7 +293,8 @@ def kl(batch, args):
     return ppo_utils.compute_approx_kl(batch["new_logp"], batch["ref_logp"], mask, "k3")
 
 
-def token_logprobs(model, batch, args):
+def token_logprobs(model, batch, args, entropy=False):
+    """HFModelWrapper.forward's log-probs (with `entropy`: and its chunked_entropy_from_logits), as the worker reads."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     position_ids = attention_mask.long().cumsum(-1) - 1  # HFModelWrapper.forward's two lines
@@ -293,7 +303,11 @@ def token_logprobs(model, batch, args):
     logits = logits / args["temperature"]
     log_probs = torch_utils.logprobs_from_logits(logits, torch.roll(input_ids, shifts=-1, dims=1))
     T = batch["completion_ids"].shape[1]
-    return log_probs[:, -T - 1 : -1] * batch["completion_mask"]
+    log_probs = log_probs[:, -T - 1 : -1] * batch["completion_mask"]
+    if not entropy:
+        return log_probs
+    H = torch_utils.chunked_entropy_from_logits(logits, requires_grad=True, attention_mask=attention_mask)
+    return log_probs, H[:, -T - 1 : -1]
 
 
 def _minibatch_mask(mask, num_seqs, num_tokens):
@@ -309,9 +323,9 @@ def _minibatch_mask(mask, num_seqs, num_tokens):
     return torch.cat([padded, rest])
 
 
-def _losses(new_logp, batch, args, mask, new_values=None):
-    """The worker's loss on one micro-batch: the policy loss on reduction-scaled advantages (+ the KL loss for GRPO,
-    + vf_coef * the critic loss for PPO), each non-prescaled term weighted by the micro-batch's share of sequences."""
+def _losses(new_logp, batch, args, mask, new_values=None, entropy=None):
+    """The worker's loss on one micro-batch: the policy loss on reduction-scaled advantages (+ the KL loss for GRPO;
+    - the entropy loss + vf_coef * the critic loss for PPO), each other term weighted by microbatch_weight."""
     _no_bias_correction(args)
     config = _config(args, "gspo" if args.get("importance_level") == "sequence" else "regular")
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
@@ -332,6 +346,8 @@ def _losses(new_logp, batch, args, mask, new_values=None):
         kl_loss = ppo_utils.compute_approx_kl(new_logp, batch["ref_logp"], loss_mask=mask, kl_estimator_type="k3")
         kl_loss = torch_utils.masked_mean(kl_loss, mask, dim=-1).mean()
         loss = loss + kl_loss * args["beta"] * microbatch_weight
+    if args["script"] == "ppo" and args["ent_coef"] > 0:  # use_entropy_loss: the micro-batch's token mean
+        loss = loss - torch_utils.masked_mean(entropy, mask) * args["ent_coef"] * microbatch_weight
     if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         critic_loss, _ = ppo_utils.ppo_critic_loss(new_values, batch["values"], batch["returns"], config, mask)
         loss = loss + args["vf_coef"] * critic_loss * microbatch_weight
@@ -341,10 +357,9 @@ def _losses(new_logp, batch, args, mask, new_values=None):
 def per_token_loss(batch, args):
     """Each token's term, by SkyRL's functions: the policy loss's sum reduction (reduce_loss) differentiated by a
     positive weight on each token's advantage (the loss is homogeneous in it, as SkyRL's reductions use), plus
-    beta * compute_approx_kl (GRPO) or vf_coef * ppo_critic_loss of the token alone (PPO)."""
+    beta * compute_approx_kl (GRPO), or vf_coef * ppo_critic_loss of the token alone and - ent_coef * its entropy
+    (PPO)."""
     _no_bias_correction(args)
-    if args["script"] == "ppo" and args["ent_coef"] > 0:
-        raise NotImplementedError("SkyRL's entropy bonus is a micro-batch token mean: not wired here (--ent-coef 0)")
     config = _config(args, "gspo" if args.get("importance_level") == "sequence" else "regular")
     new_logp, real = batch["new_logp"], batch["completion_mask"]
     old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp
@@ -363,19 +378,23 @@ def per_token_loss(batch, args):
             [ppo_utils.ppo_critic_loss(v, o, r, config, m)[0] for v, o, r, m in zip(*[f.split(1) for f in flat])]
         )  # one token at a time: its masked_mean over one token is the token's own term
         per_token = per_token + args["vf_coef"] * value.view_as(real) * real
+    if args["script"] == "ppo" and args["ent_coef"] > 0:  # entropy_loss_coef * each token's entropy
+        per_token = per_token - args["ent_coef"] * batch["entropy"] * real
     return per_token
 
 
 def loss(batch, args):
-    return _losses(batch["new_logp"], batch, args, batch["completion_mask"], batch.get("new_values"))
+    mask = batch["completion_mask"]
+    return _losses(batch["new_logp"], batch, args, mask, batch.get("new_values"), batch.get("entropy"))
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
+    out = token_logprobs(model, batch, args, entropy=args["script"] == "ppo" and args["ent_coef"] > 0)
+    new_logp, entropy = out if isinstance(out, tuple) else (out, None)  # with the gradient: use_entropy_loss
     new_values = None
     if critic is not None:  # this project's critic: SkyRL's is its worker's model
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         T = batch["completion_ids"].shape[1]
         new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
-    return _losses(new_logp, batch, args, batch["completion_mask"], new_values)
+    return _losses(new_logp, batch, args, batch["completion_mask"], new_values, entropy)
