@@ -1,8 +1,11 @@
 """The flags both scripts share (RunArgs), the checks every flag passes before anything loads, the hub defaults
 and the settings printed at start. Nothing here changes what a run computes."""
 
+import contextlib
 import dataclasses
 import inspect
+import io
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -75,9 +78,28 @@ def parse_args(args_class, hub_defaults):
         f"{inspect.cleandoc(args_class.__doc__)}\n\n"
         f"On a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
     )
-    args = tyro.cli(args_class, description=description)
+    args = one_line_parse_errors(lambda: tyro.cli(args_class, description=description))
     flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
     return args, {key for key in hub_defaults if flag(key) in flags}
+
+
+def one_line_parse_errors(parse):
+    """`parse()`, with the command line parser's boxed error (an unknown flag, a value of the wrong type, a choice
+    not offered) printed as one line, `error: ...`, and exit status 2; --help and anything else as it was."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse()
+    except SystemExit as e:
+        lines = [line.strip("│ ").strip() for line in captured.getvalue().splitlines() if line.startswith("│")]
+        message = " ".join(itertools.takewhile(lambda line: not line.startswith("─"), lines))
+        if e.code in (0, None) or not message:  # --help, or no box to shorten
+            raise
+        captured = io.StringIO()
+        print(f"error: {message} (--help lists every flag)", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        sys.stderr.write(captured.getvalue())
 
 
 def flag(name):

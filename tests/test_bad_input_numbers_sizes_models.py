@@ -218,7 +218,8 @@ def test_principle2_step_bytes_per_process_and_under_lora():
         parts = model_checks.step_bytes(args, config, world_size=2)[1]
         assert parts["the generation's KV cache"] == 6 * 5 * 2 * 2 * 4 * 2  # rows, positions, layers, k v, kv dim, bf16
         assert parts["the generation's logits"] == 6 * 10 * 4
-        assert parts["a micro-batch's logits"] == 6 * 4 * 10 * 2 * 2
+        assert parts["a micro-batch's layer inputs"] == 6 * 4 * 2 * 8 * 2  # tokens, layers, hidden, bf16
+        assert parts["a chunk's logits"] == 6 * 4 * 10 * 4  # the micro-batch's 24 positions: one chunk
     layer = (8 * 8 + 8) + 2 * (8 * 4 + 4) + 8 * 8 + 3 * 8 * 16 + 2 * 8
     backbone = 10 * 8 + 2 * layer + 8
     adapters = 2 * 16 * ((8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8))  # rank 16 on each linear layer

@@ -211,7 +211,7 @@ def test_verifys_notes_read_what_the_loss_clipped():
 
     new_logp, old_logp, advantages, mask = clip_case()
     batch = dict(completion_mask=mask)
-    args = dict(clip_low=0.2, clip_high=0.2)
+    args = dict(clip_low=0.2, clip_high=0.2, beta=0.0)
 
     def conditions(clipped):
         terms = dict(logratio=new_logp - old_logp, advantages=advantages[:, None], clipped=clipped)

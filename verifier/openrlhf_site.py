@@ -1,9 +1,10 @@
 """OpenRLHF's modules, loaded one by one from the folder it is installed in apart (for verifier/adapters/openrlhf.py).
 
 Its package __init__ files import deepspeed, ray, vLLM and flash-attn; the modules the adapter calls are loaded one
-by one instead, with `deepspeed` (imported, unused, by models/utils.py), ray, flash-attn (models/ring_attn_utils.py,
-for packed samples only) and what the trainer files import for their engines stubbed while they load. The names
-the trainer files import from packages whose __init__ files were not run are set on those packages.
+by one instead, with `deepspeed` (imported, unused, by openrlhf.models.utils), ray, flash-attn
+(openrlhf.models.ring_attn_utils, for packed samples only) and what the trainer files import for their engines
+stubbed while they load. The names the trainer files import from packages whose __init__ files were not run are
+set on those packages.
 """
 
 import contextlib
@@ -13,7 +14,7 @@ import sys
 import types
 
 CHECKOUT_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".openrlhf-site")
-FLASH_ATTN = {  # what models/ring_attn_utils.py imports of flash-attn (for packed samples only)
+FLASH_ATTN = {  # what openrlhf.models.ring_attn_utils imports of flash-attn (for packed samples only)
     "flash_attn": (),
     "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
     "flash_attn.utils": (),

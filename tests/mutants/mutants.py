@@ -878,8 +878,8 @@ MUTANTS = [
         file="machinery/model_checks.py",
         tests=["tests/test_bad_input_numbers_sizes_models.py", "-k", "per_process_and_under_lora"],
         what="under torchrun the memory bound counts the whole batch's rows on each process, not its own",
-        find='getattr(args, "samples_per_prompt", 1)) // world_size',
-        replace='getattr(args, "samples_per_prompt", 1))',
+        find='getattr(args, "samples_per_prompt", 1)) // world_size\n    width = 4',
+        replace='getattr(args, "samples_per_prompt", 1))\n    width = 4',
     ),
     dict(
         name="model-checks-lora-critic-trained",
