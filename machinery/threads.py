@@ -67,10 +67,11 @@ def choose_threads(flag, cores, default, idle, env, processes):
 
 def omp_num_threads(env, cores):
     """The number of threads OMP_NUM_THREADS `env` sets (its first count: OpenMP also takes a list, one count per
-    nesting level), bounded as --threads is (1 to 4 x cores): torch's first parallel operation starts that many
-    threads, and 100,000 of them take every process slot of the machine. A UsageError otherwise."""
-    first = env.split(",")[0].strip()
-    if not re.fullmatch(r"[0-9]+", first) or not 1 <= int(first) <= 4 * cores:
+    nesting level, each bounded too), bounded as --threads is (1 to 4 x cores): torch's first parallel operation
+    starts that many threads, and 100,000 of them take every process slot of the machine. A UsageError otherwise."""
+    levels = [level.strip() for level in env.split(",")]  # a nested level can start as many threads as the first
+    first = levels[0]
+    if not all(re.fullmatch(r"[0-9]+", level) and 1 <= int(level) <= 4 * cores for level in levels):
         raise UsageError(
             f"OMP_NUM_THREADS is {env[:40]!r}: set it to a number of threads from 1 to {4 * cores} "
             f"(this machine has {cores} cores), or unset it"

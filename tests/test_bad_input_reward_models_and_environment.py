@@ -99,12 +99,13 @@ def test_size_setting_environment_is_checked_like_a_flag(script, env, expected, 
 
 def test_omp_num_threads_is_bounded_as_threads_is(monkeypatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    for bad in ("100000", "9", "0", "-1", "x", ""):
+    for bad in ("100000", "9", "0", "-1", "x", "", "4,100000", "2,", "2,x"):  # every nesting level, as the first
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(UsageError, match="from 1 to 8 .this machine has 2 cores"):
             threads.check_environment()
-    monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    threads.check_environment()
+    for good in ("8", "2,1", " 2 , 8"):
+        monkeypatch.setenv("OMP_NUM_THREADS", good)
+        threads.check_environment()
 
 
 # ---------------------------------------------------------------------------------------------------

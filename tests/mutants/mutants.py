@@ -1106,8 +1106,16 @@ MUTANTS = [
         file="machinery/threads.py",
         tests=["tests/test_bad_input_reward_models_and_environment.py", "-k", "omp_num_threads_is_bounded"],
         what="OMP_NUM_THREADS=100000 is accepted: torch's first parallel operation starts that many threads",
-        find="not 1 <= int(first) <= 4 * cores",
-        replace="not 1 <= int(first)",
+        find="and 1 <= int(level) <= 4 * cores for level in levels)",
+        replace="and 1 <= int(level) for level in levels)",
+    ),
+    dict(
+        name="threads-omp-nested-levels-unchecked",
+        file="machinery/threads.py",
+        tests=["tests/test_bad_input_reward_models_and_environment.py", "-k", "omp_num_threads_is_bounded"],
+        what="OMP_NUM_THREADS=4,100000: only the first nesting level is checked, a nested region starts 100,000",
+        find="for level in levels)",
+        replace="for level in levels[:1])",
     ),
     dict(
         name="summary-target-for-a-learnt-reward",
