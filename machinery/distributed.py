@@ -56,6 +56,8 @@ def check_environment(environ=os.environ):
                 f"{name} is {values[name]}: a launch has at least 1 process; unset it, or start with torchrun"
             )
     for name, size in LAUNCH_INDICES.items():
+        if size not in values and size == "LOCAL_WORLD_SIZE":  # a launcher other than torchrun may leave it unset
+            size = "WORLD_SIZE"  # a node's processes are at most the launch's
         if name in values and values[name] >= values.get(size, 1):
             raise UsageError(
                 f"{name} is {values[name]}, not below {size} {values.get(size, 1)}: unset it, or start with torchrun"

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from machinery import bookkeeping, models, threads
+from machinery import distributed as dist
 from machinery.errors import UsageError
 from tasks import preferences
 
@@ -106,6 +107,17 @@ def test_omp_num_threads_is_bounded_as_threads_is(monkeypatch):
     for good in ("8", "2,1", " 2 , 8"):
         monkeypatch.setenv("OMP_NUM_THREADS", good)
         threads.check_environment()
+
+
+def test_a_local_rank_is_checked_against_the_sizes_the_launcher_set():
+    """torchrun sets LOCAL_WORLD_SIZE; other launchers (torch.multiprocessing.spawn) may set only WORLD_SIZE: then a
+    LOCAL_RANK is bounded by the launch's processes."""
+    launch = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK="1")
+    dist.check_environment(dict(launch, LOCAL_RANK="1"))
+    with pytest.raises(UsageError, match="LOCAL_RANK is 2, not below WORLD_SIZE 2"):
+        dist.check_environment(dict(launch, LOCAL_RANK="2"))
+    with pytest.raises(UsageError, match="LOCAL_RANK is 1, not below LOCAL_WORLD_SIZE 1"):
+        dist.check_environment(dict(launch, LOCAL_RANK="1", LOCAL_WORLD_SIZE="1"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_an_adapter_that_ends_the_process_in_the_script_is_not_a_pass(verify_dum
     adapter = write_adapter(tmp_path, "import os\ndef loss(batch, args):\n    os._exit(0)\n")
     argv = [sys.executable, os.path.join(ROOT, "verify.py"), verify_dumps["plain"], "--against", str(adapter)]
     out = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert out.returncode == 3 and "loss() ended verify's process" in out.stderr, out
+    assert out.returncode == 3 and "loss() of adapter 'mine' ended verify's process" in out.stderr, out
 
 
 def test_a_child_ended_outside_an_adapter_call_gives_its_own_status(capsys):
@@ -237,7 +237,7 @@ def test_the_command_line(verify_dumps):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, os.path.join(ROOT, "verify.py"), verify_dumps["ppo"]]
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("PASS: 10 rows"), out.stderr
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("PASS: 10 of the adapter's rows"), out.stderr
 
 
 def recipe(script):
