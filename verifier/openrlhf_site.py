@@ -7,13 +7,13 @@ stubbed while they load. The names the trainer files import from packages whose 
 set on those packages.
 """
 
-import contextlib
 import importlib
 import os
 import sys
 import types
 
-CHECKOUT_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".openrlhf-site")
+from verifier import peer_site
+
 FLASH_ATTN = {  # what openrlhf.models.ring_attn_utils imports of flash-attn (for packed samples only)
     "flash_attn": (),
     "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
@@ -40,39 +40,20 @@ TRAINER_STUBS = {
 }
 
 
-@contextlib.contextmanager
-def _stubbed(names):
-    """Empty modules for `names` while OpenRLHF's files load, then sys.modules as it was for them."""
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        yield {name: sys.modules[name] for name in names}
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
 def load():
     """OpenRLHF's modules, from $OPENRLHF_SITE when set, else the first of sys.path or .openrlhf-site holding it."""
-    chosen = os.environ.get("OPENRLHF_SITE")
-    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
-    root = next((p for p in candidates if os.path.isfile(os.path.join(p, "openrlhf", "models", "loss.py"))), None)
-    if root is None:
-        raise ImportError(
-            f"no openrlhf in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps "
-            "--target .openrlhf-site -r requirements/openrlhf.txt"
-        )
+    root = peer_site.find(
+        "openrlhf",
+        os.path.join("models", "loss.py"),
+        "pip install --no-deps --target .openrlhf-site -r requirements/openrlhf.txt",
+    )
     for name in PACKAGES:  # namespace packages: their __init__ files (deepspeed, ray, vLLM) are not run
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [os.path.join(root, *name.split("."))]
             sys.modules[name] = package
     importlib.import_module("peft")  # before deepspeed is stubbed: transformers looks for it as peft loads
-    with _stubbed(["deepspeed", "ray", *FLASH_ATTN, *TRAINER_STUBS]) as stubs:
+    with peer_site.stubbed(["deepspeed", "ray", *FLASH_ATTN, *TRAINER_STUBS]) as stubs:
         stubs["ray"].remote = lambda *a, **k: lambda cls: cls  # @ray.remote(num_gpus=1) on the engine classes
         for name, attributes in {**FLASH_ATTN, **TRAINER_STUBS}.items():
             for attribute in attributes:

@@ -38,9 +38,8 @@ import types
 
 import torch
 
-CHECKOUT_SITE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".areal-site"
-)
+from verifier import peer_site
+
 PACKAGES = ["areal", "areal.utils", "areal.utils.functional", "areal.trainer", "areal.trainer.ppo"]
 STUBS = [
     "areal.api",
@@ -93,34 +92,13 @@ def _stub(module):
         module.__getattr__ = lambda attribute: type(attribute, (), {})
 
 
-@contextlib.contextmanager
-def _stubbed(names):
-    """Stand-in modules for `names` while AReaL's files load, then sys.modules as it was for them."""
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-        _stub(sys.modules[name])
-    try:
-        yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
 def _load():
     """AReaL's actor and functional modules, from $AREAL_SITE when set, else sys.path or .areal-site."""
-    chosen = os.environ.get("AREAL_SITE")
-    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
-    file = os.path.join("areal", "trainer", "ppo", "actor.py")
-    root = next((p for p in candidates if p and os.path.isfile(os.path.join(p, file))), None)
-    if root is None:
-        raise ImportError(
-            f"no areal in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps --target "
-            ".areal-site -r requirements/areal.txt"
-        )
+    root = peer_site.find(
+        "areal",
+        os.path.join("trainer", "ppo", "actor.py"),
+        "pip install --no-deps --target .areal-site -r requirements/areal.txt",
+    )
     before = set(sys.modules)
     saved = {name: sys.modules.get(name) for name in PACKAGES}
     for name in PACKAGES:  # namespace packages: their __init__ files (engines, vLLM, ray) are not run
@@ -128,7 +106,7 @@ def _load():
         package.__path__ = [os.path.join(root, *name.split("."))]
         sys.modules[name] = package
     try:
-        with _stubbed(STUBS):
+        with peer_site.stubbed(STUBS, fill=_stub):
             functional = __import__("areal.utils.functional.functional", fromlist=["*"])
             sys.modules["areal.utils.functional"].__dict__.update(
                 {k: v for k, v in vars(functional).items() if not k.startswith("__")}

@@ -34,7 +34,6 @@ flash-attn and peft. The critic's values come from this project's critic; the PP
 critic loss (SkyRL trains its critic apart, unscaled). There is no `update`: SkyRL's optimizer is its strategy's.
 """
 
-import contextlib
 import os
 import sys
 import types
@@ -42,9 +41,8 @@ import types
 import numpy as np
 import torch
 
-CHECKOUT_SITE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".skyrl-site"
-)
+from verifier import peer_site
+
 PACKAGES = ["skyrl", "skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.utils"]
 STUBS = ["ray", "jaxtyping", "loguru", "omegaconf", "skyrl.train", "skyrl.train.config"]
 REDUCTIONS = {  # grpo.py --loss-agg: SkyRL's loss_reduction
@@ -61,33 +59,14 @@ class _Annotation:
         return cls
 
 
-@contextlib.contextmanager
-def _stubbed(names):
-    """Empty modules for `names` while SkyRL's files load, then sys.modules as it was for them."""
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        yield {name: sys.modules[name] for name in names}
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
 def _load():
     """SkyRL's ppo_utils and torch_utils, from $SKYRL_SITE when set, else sys.path or .skyrl-site."""
-    chosen = os.environ.get("SKYRL_SITE")
-    candidates = [chosen] if chosen else [*sys.path, CHECKOUT_SITE]
-    file = os.path.join("skyrl", "backends", "skyrl_train", "utils", "ppo_utils.py")
-    root = next((p for p in candidates if p and os.path.isfile(os.path.join(p, file))), None)
-    if root is None:
-        raise ImportError(
-            f"no skyrl in {chosen if chosen else f'PYTHONPATH or {CHECKOUT_SITE}'}: pip install --no-deps --target "
-            ".skyrl-site --python-version 3.12 --only-binary=:all: --ignore-requires-python -r requirements/skyrl.txt"
-        )
+    root = peer_site.find(
+        "skyrl",
+        os.path.join("backends", "skyrl_train", "utils", "ppo_utils.py"),
+        "pip install --no-deps --target .skyrl-site --python-version 3.12 --only-binary=:all: --ignore-requires-python "
+        "-r requirements/skyrl.txt",
+    )
     saved = {name: sys.modules.get(name) for name in PACKAGES}
     for name in PACKAGES:  # namespace packages: their __init__ files (the tinker backend) are not run
         package = types.ModuleType(name)
@@ -97,7 +76,7 @@ def _load():
         "skyrl.backends.skyrl_train.utils." + m for m in ("ppo_utils", "torch_utils", "off_policy_correction_utils")
     ]
     try:
-        with _stubbed(STUBS) as stubs:
+        with peer_site.stubbed(STUBS) as stubs:
             stubs["ray"].remote = lambda cls: cls  # RegistryActor: a class ray would host, never started
             stubs["ray"].is_initialized = lambda: False
             stubs["jaxtyping"].Float = stubs["jaxtyping"].Integer = _Annotation
