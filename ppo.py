@@ -405,9 +405,8 @@ def main(args, flags_given=()):
                 optimizer.zero_grad(set_to_none=True)
                 updates.append([])
                 for micro in mb_inds.split(args.micro_batch_size):
-                    mb_inputs = [
-                        x[micro] for x in inputs
-                    ]  # the micro-batch's input_ids, attention_mask, completion_mask
+                    # The micro-batch's input_ids, attention_mask [n, P + T] and completion_mask [n, T].
+                    mb_inputs = [x[micro] for x in inputs]
                     with common.autocast(device, dtype):
                         new_logp, entropy = common.token_logprobs(
                             policy, *mb_inputs, args.temperature, return_entropy=True, entropy_grad=args.ent_coef > 0
