@@ -1,6 +1,7 @@
 """Bad Args are refused before anything heavy is loaded (the subprocess table of bad input is in test_bad_input_cli.py);
 the hub defaults replace only the fields left at their default."""
 
+import io
 import sys
 
 import pytest
@@ -44,3 +45,39 @@ def test_hub_defaults_replace_only_the_fields_left_at_their_default(module, monk
     assert args.micro_batch_size == 128 and args.num_steps == module.HUB_DEFAULTS["num_steps"]
     tiny = module.Args(learning_rate=1e-3)
     assert flags.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--no-such-flag", "3"], "Unrecognized options: --no-such-flag"),
+        (["--num-steps", "1e3"], "Error parsing --num-steps"),
+        (["--dtype", "float16"], "invalid choice 'float16' for argument '--dtype'"),
+    ],
+)
+def test_a_parse_error_is_one_line_with_exit_status_2(argv, expected, monkeypatch, capfd):
+    """The parser's usage errors exit 2 (argparse's status for a command line it cannot read), not 1, the status of
+    a UsageError found after parsing: a wrapper script tells the two apart."""
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        flags.parse_args(grpo.Args, grpo.HUB_DEFAULTS)
+    assert exited.value.code == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(" (--help lists every flag)")
+    assert expected in lines[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flags.one_line_parse_errors finds tyro's message by its UTF-8 box lines ('│'); tyro draws ASCII boxes "
+    "when sys.stdout.encoding is not 'utf-8' (PYTHONIOENCODING=ascii, a captured stdout), and the 5-line box is "
+    "printed instead of one line (issue 53, for the integrator)",
+)
+def test_a_parse_error_is_one_line_whatever_stdouts_encoding(monkeypatch, capfd):
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--no-such-flag", "3"])
+    with pytest.raises(SystemExit) as exited:
+        flags.parse_args(grpo.Args, grpo.HUB_DEFAULTS)
+    assert exited.value.code == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["error: Unrecognized options: --no-such-flag, 3 (--help lists every flag)"]

@@ -50,6 +50,20 @@ def test_example_fields_one_entry_a_completion():
         common.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
 
 
+def test_example_fields_keep_an_int_past_int64_as_a_list():
+    """JSON's integers have no bound; int64's is 2**63 - 1: up to it (either sign) a tensor, from 2**63 a list."""
+    for largest in (2**63 - 1, -(2**63 - 1)):
+        fields = common.example_fields(
+            [dict(prompt="a", answer="1", level=largest), dict(prompt="b", answer="2", level=1)], 1
+        )
+        assert fields["level"].dtype == torch.int64 and fields["level"].tolist() == [largest, 1]
+    for past in (2**63, -(2**63) - 1, 2**64):
+        fields = common.example_fields(
+            [dict(prompt="a", answer="1", level=past), dict(prompt="b", answer="2", level=1)], 1
+        )
+        assert fields["level"] == [past, 1]
+
+
 @pytest.mark.parametrize("module", [grpo, ppo])
 def test_a_field_reaches_the_loss_and_the_dump(module, tmp_path, monkeypatch):
     rows = [dict(prompt=f"{i:03d}=", answer=f"{i:03d}", margin=i / 4, note=f"n{i}") for i in range(40)]
@@ -89,3 +103,11 @@ def test_the_datas_fingerprint_covers_every_field():
         dict(prompt="3=", answer="3"),
     ]  # a checkpoint written before still resumes
     assert checkpoints.data_fingerprint(plain) == old_fingerprint(plain)
+    # reward_model.py's pairs too: prompt, chosen, rejected in that order, as the older version wrote them.
+    pairs = [dict(prompt="p", chosen="x", rejected="y"), dict(prompt="q", chosen="zz", rejected="w", where="f, line 2")]
+    assert checkpoints.data_fingerprint(pairs) == old_fingerprint(pairs)
+    # The other fields by name: the order a line writes them in is not the data.
+    reordered = [dict(reversed(list(dict(prompt="a", answer="1", margin=0.5, level=2).items())))]
+    assert checkpoints.data_fingerprint(reordered) == checkpoints.data_fingerprint(
+        [dict(prompt="a", answer="1", margin=0.5, level=2)]
+    )

@@ -65,6 +65,33 @@ def test_bad_launch_is_refused_in_one_line(monkeypatch, script, flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_a_launch_number_has_at_most_9_digits():
+    """Each of torchrun's numbers is checked for its length before int() reads it: 9 digits pass (they fit any
+    count), 10 are refused, whatever the variable, and whether the number is a size or a rank."""
+    launch = dict(MASTER_ADDR="127.0.0.1")
+    dist.check_environment(dict(launch, WORLD_SIZE="999999999", RANK="999999998", LOCAL_RANK="0"))
+    for name, value in [("WORLD_SIZE", "1000000000"), ("LOCAL_WORLD_SIZE", "1000000000"), ("RANK", "0000000001")]:
+        environ = {**launch, "WORLD_SIZE": "2", name: value}
+        with pytest.raises(UsageError, match=f"{name} is '{value}': torchrun sets it to a whole number"):
+            dist.check_environment(environ)
+
+
+def test_a_launch_is_checked_in_both_directions():
+    """A size of 1 passes and 0 does not; a rank one below its size passes and the size itself does not; a node as
+    large as the launch passes and a larger one does not."""
+    launch = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE="4")
+    dist.check_environment(dict(launch, RANK="3", LOCAL_WORLD_SIZE="4", LOCAL_RANK="3"))
+    dist.check_environment(dict(WORLD_SIZE="1", RANK="0"))
+    for environ, message in [
+        (dict(launch, WORLD_SIZE="0"), "WORLD_SIZE is 0: a launch has at least 1 process"),
+        (dict(launch, RANK="4"), "RANK is 4, not below WORLD_SIZE 4"),
+        (dict(launch, LOCAL_WORLD_SIZE="2", LOCAL_RANK="2"), "LOCAL_RANK is 2, not below LOCAL_WORLD_SIZE 2"),
+        (dict(launch, LOCAL_WORLD_SIZE="5"), "LOCAL_WORLD_SIZE 5 is more than WORLD_SIZE 4"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            dist.check_environment(environ)
+
+
 def torchrun(*argv, timeout=300, **popen):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
