@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_exactness import bos_tokenizer
 
+import common
 import grpo
 import ppo
 import reward_model
@@ -281,6 +282,62 @@ def test_a_policy_that_writes_nothing_new_is_refused():
     sample = lambda prompts: ["5"] * len(prompts)  # noqa: E731  every pair equal
     with pytest.raises(UsageError, match="usable pairs"):
         preferences.synthetic_pairs(sample, [{"prompt": "1=", "answer": "1"}], 10, 30.0, seed=0, batch=4, max_rounds=3)
+
+
+def recording_run(tmp_path, monkeypatch, **overrides):
+    """run() on pairs of texts of different lengths (so a micro-batch has padding), recording each log_step's
+    (step, logged learning rate, total tokens), each step's sampled pairs, and the model trained."""
+    rows = [
+        {"prompt": f"{i}=", "chosen": f"{i}" * (1 + i % 4), "rejected": f"{i + 1}" * (1 + i % 3)} for i in range(40)
+    ]
+    logged, sampled, loaded = [], [], []
+    log_step, sample, load = (
+        reward_model.bookkeeping.log_step,
+        common.PromptSampler.sample,
+        reward_model.load_reward_model,
+    )
+
+    def recording_log_step(writer, step, scalars, losses, timer, total_tokens, device):
+        logged.append((step, scalars["charts/learning_rate"], total_tokens))
+        return log_step(writer, step, scalars, losses, timer, total_tokens, device)
+
+    monkeypatch.setattr(reward_model.bookkeeping, "log_step", recording_log_step)
+    monkeypatch.setattr(common.PromptSampler, "sample", lambda self, n: sampled.append(sample(self, n)) or sampled[-1])
+    monkeypatch.setattr(
+        reward_model, "load_reward_model", lambda name, device: loaded.append(load(name, device)) or loaded[-1]
+    )
+    flags = dict(task=f"jsonl:{write_pairs(tmp_path, rows)}", batch_size=6, micro_batch_size=4, **overrides)
+    run(tmp_path / "runs", **flags)
+    return logged, sampled, loaded[0]
+
+
+def test_the_logged_rate_is_the_one_each_step_used_and_tokens_leave_out_padding(tmp_path, monkeypatch):
+    """Under a warmup of 3 steps (not the default 0, under which every step's rate is the same) step k logs
+    lr * k / 4, the rate its update used; perf/tokens_per_second counts each text's own tokens, not the padding
+    of the micro-batch it shared (6 pairs a step in micro-batches of 4 + 2, texts of 3 to 6 tokens)."""
+    logged, sampled, _ = recording_run(tmp_path, monkeypatch, num_steps=4, warmup_steps=3, learning_rate=1e-3)
+    assert [step for step, _, _ in logged] == [1, 2, 3, 4]
+    assert [rate for _, rate, _ in logged] == pytest.approx([1e-3 / 4, 2e-3 / 4, 3e-3 / 4, 1e-3])
+    tokenizer = preferences.reward_tokenizer(reward_model.Args())
+    alone = [
+        sum(
+            len(models.reward_inputs(tokenizer, [p["prompt"]], [p[side]])["input_ids"][0])
+            for side in ("chosen", "rejected")
+        )
+        for p in itertools.chain.from_iterable(sampled[:4])
+    ]
+    assert len(alone) == 24 and len(set(alone)) > 1  # lengths differ: padding in every micro-batch
+    assert [tokens for _, _, tokens in logged] == list(
+        itertools.accumulate(sum(alone[i : i + 6]) for i in range(0, 24, 6))
+    )
+
+
+@pytest.mark.parametrize("setting, on", [("off", False), ("auto", False), ("on", True)])
+def test_gradient_checkpointing_recomputes_only_when_on(tmp_path, monkeypatch, setting, on):
+    """--gradient-checkpointing off and auto (the reward model's memory bound counts its activations) keep them;
+    only on recomputes."""
+    _, _, model = recording_run(tmp_path, monkeypatch, num_steps=1, gradient_checkpointing=setting)
+    assert model.is_activation_checkpointing == on
 
 
 def write_pairs(tmp_path, rows, name="pairs.jsonl"):

@@ -1247,4 +1247,70 @@ MUTANTS = [
         find='other = sorted([key, value] for key, value in example.items() if key not in keys and key != "where")',
         replace='other = [[key, value] for key, value in example.items() if key not in keys and key != "where"]',
     ),
+    dict(
+        name="rm-checkpointing-read-for-truth",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "recomputes"],
+        what="reward_model.py reads --gradient-checkpointing for truth: off (a non-empty string) recomputes",
+        find='if args.gradient_checkpointing == "on":',
+        replace="if args.gradient_checkpointing:",
+    ),
+    dict(
+        name="rm-checkpointing-auto-on",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "recomputes"],
+        what="reward_model.py's --gradient-checkpointing auto recomputes, though its memory bound counts activations",
+        find='if args.gradient_checkpointing == "on":',
+        replace='if args.gradient_checkpointing != "off":',
+    ),
+    dict(
+        name="rm-scheduler-steps-before-the-rate-is-logged",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "logged_rate"],
+        what="reward_model.py steps the scheduler before logging: under warmup it logs the next step's rate",
+        find=(
+            "        scalars = {\n"
+            '            "charts/accuracy": (margins > 0).float().mean(),\n'
+            '            "charts/margin": margins.mean(),\n'
+            '            "charts/learning_rate": optimizer.param_groups[0]["lr"],\n'
+            "        }\n"
+            "        if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:\n"
+            '            history["eval"] = evaluate(model, tokenizer, task.test, '
+            "args.micro_batch_size, device, dtype)\n"
+            '            scalars.update(history["eval"])\n'
+            '        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}\n'
+            '        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)\n'
+            "        scheduler.step()  # after logging the rate this step's update used\n"
+        ),
+        replace=(
+            "        scheduler.step()\n"
+            "        scalars = {\n"
+            '            "charts/accuracy": (margins > 0).float().mean(),\n'
+            '            "charts/margin": margins.mean(),\n'
+            '            "charts/learning_rate": optimizer.param_groups[0]["lr"],\n'
+            "        }\n"
+            "        if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:\n"
+            '            history["eval"] = evaluate(model, tokenizer, task.test, '
+            "args.micro_batch_size, device, dtype)\n"
+            '            scalars.update(history["eval"])\n'
+            '        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}\n'
+            '        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)\n'
+        ),
+    ),
+    dict(
+        name="rm-tokens-with-padding",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "logged_rate"],
+        what="reward_model.py's tokens a second count each micro-batch's padding too",
+        find='history["tokens"] += sum(int(enc["attention_mask"].sum()) for enc in micro_inputs)',
+        replace='history["tokens"] += sum(enc["attention_mask"].numel() for enc in micro_inputs)',
+    ),
+    dict(
+        name="rm-tokens-of-the-first-micro-batch",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "logged_rate"],
+        what="reward_model.py's tokens a second count one micro-batch's tokens as the step's",
+        find='history["tokens"] += sum(int(enc["attention_mask"].sum()) for enc in micro_inputs)',
+        replace='history["tokens"] += len(micro_inputs) * int(micro_inputs[0]["attention_mask"].sum())',
+    ),
 ]
