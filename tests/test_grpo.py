@@ -204,6 +204,37 @@ def test_clipfrac_is_what_the_loss_says_it_clipped():
     assert "clipfrac" not in common.logged_losses([[{k: v for k, v in update.items() if k != "clipped"}]])
 
 
+RATIOS = [0.6, 0.75, 0.85, 0.95, 1.05, 1.15, 1.25, 1.4]  # either side of 1 -+ 0.1 and 1 -+ 0.3, none on a bound
+
+
+def asymmetric_clip_case():
+    """Rows of RATIOS with A = +1 and A = -1, each with one token of padding: (new_logp, old_logp, advantages,
+    mask), new_logp a leaf that takes a gradient."""
+    old_logp = torch.full((2, len(RATIOS) + 1), -1.0)
+    logratio = torch.tensor([*RATIOS, 1.0]).log().expand(2, -1)
+    mask = torch.ones(2, len(RATIOS) + 1)
+    mask[:, -1] = 0
+    return (old_logp + logratio).requires_grad_(), old_logp, torch.tensor([1.0, -1.0]), mask
+
+
+@pytest.mark.parametrize("clip_low, clip_high, expected", [(0.3, 0.1, 4), (0.1, 0.3, 4), (0.3, 0.3, 2)])
+def test_clipped_is_where_the_clip_cut_the_gradient_under_asymmetric_bounds(clip_low, clip_high, expected):
+    """grpo_loss's `clipped` (and so losses/clipfrac) is, token for token, where the surrogate's gradient is 0:
+    above 1 + clip_high with A > 0, below 1 - clip_low with A < 0. The bounds differ (--clip-high is DAPO's),
+    one way and the other, so a mask given one bound twice, or the two swapped, is told apart."""
+    new_logp, old_logp, advantages, mask = asymmetric_clip_case()
+    args = grpo.Args(beta=0.0, clip_low=clip_low, clip_high=clip_high)
+    loss, terms = grpo.grpo_loss(new_logp, old_logp, None, advantages, mask, 2, int(mask.sum()), args)
+    loss.backward()
+    real = mask.bool()
+    cut = new_logp.grad == 0
+    assert terms["clipped"][real].tolist() == cut[real].tolist()
+    by_hand = [[r > 1 + clip_high for r in RATIOS], [r < 1 - clip_low for r in RATIOS]]
+    assert terms["clipped"][:, :-1].tolist() == by_hand and sum(map(sum, by_hand)) == expected
+    update = dict(terms, entropy=torch.zeros_like(mask))
+    assert common.logged_losses([[update]])["clipfrac"] == pytest.approx(expected / 16)
+
+
 def test_verifys_notes_read_what_the_loss_clipped():
     """verify's "exercised" notes on a loss row: a token the loss clipped (its ratio below or above 1), and a ratio
     out of the clip range the loss left alone, from the loss's `clipped` term, not a second PPO-clip test."""

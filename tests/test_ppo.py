@@ -285,3 +285,32 @@ def test_each_models_gradient_is_clipped_to_max_grad_norm(monkeypatch, tmp_path)
     assert len(norms) == 4 and all(len(groups) == 2 for groups in norms)  # 2 epochs x 2 minibatches; policy, critic
     assert all(norm <= 1e-3 * (1 + 1e-4) for groups in norms for norm in groups), norms
     assert max(max(groups) for groups in norms) > 0.5e-3  # the clip acted: the raw gradients were larger
+
+
+@pytest.mark.parametrize("clip_low, clip_high", [(0.3, 0.1), (0.1, 0.3)])
+def test_ppo_loss_clipped_terms_under_asymmetric_bounds(clip_low, clip_high):
+    """ppo_loss's `clipped` is where the surrogate's gradient is 0 (bounds that differ, one way and the other), and
+    `value_clipped` where the new value moved more than --cliprange-value (0.25, not the default) from the
+    rollout's value: measured from the returns instead, every token here would say otherwise."""
+    ratios = torch.tensor([0.6, 0.75, 0.85, 0.95, 1.05, 1.15, 1.25, 1.4])
+    old_logp = torch.full((2, 8), -1.0)
+    new_logp = (old_logp + ratios.log()).requires_grad_()
+    advantages = torch.tensor([[1.0], [-1.0]]).expand(2, 8)
+    old_values = torch.zeros(2, 8)
+    moved = torch.tensor([[0.3, -0.3, 0.1, -0.1, 0.5, -0.5, 0.2, -0.2]] * 2)  # new - old: past 0.25 at 0, 1, 4, 5
+    new_values = (old_values + moved).requires_grad_()
+    # The returns on the moved values, 0.4 off the others: measured from them, every token would say the opposite.
+    returns = new_values.detach() + torch.tensor([[0.0, 0.0, 0.4, -0.4, 0.0, 0.0, 0.4, -0.4]] * 2)
+    mask = torch.ones(2, 8)
+    args = ppo.Args(clip_low=clip_low, clip_high=clip_high, cliprange_value=0.25, vf_coef=0.1, ent_coef=0.0)
+    loss, terms = ppo.ppo_loss(
+        new_logp, old_logp, advantages, new_values, old_values, returns, mask, 16, args, torch.zeros(2, 8)
+    )
+    loss.backward()
+    assert terms["clipped"].tolist() == (new_logp.grad == 0).tolist()
+    assert terms["clipped"].tolist() == [[r > 1 + clip_high for r in ratios], [r < 1 - clip_low for r in ratios]]
+    expected = [[True, True, False, False, True, True, False, False]] * 2
+    assert terms["value_clipped"].tolist() == expected
+    assert ((new_values - returns).abs() > 0.25).tolist() == [[not x for x in row] for row in expected]
+    logged = common.logged_losses([[terms]])
+    assert logged["clipfrac_value"] == pytest.approx(0.5) and logged["clipfrac"] == pytest.approx(4 / 16)
