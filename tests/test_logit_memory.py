@@ -137,6 +137,53 @@ def test_checkpointing_auto_is_on_where_activations_outweigh_the_rest_of_the_ste
     assert args.gradient_checkpointing == given  # the Args keep what was given: a resume compares that
 
 
+def torchrun_case(max_new_tokens, micro_batch_size):
+    """SmolLM2's GRPO step of 2 prompts x 8 completions, float32, --beta 0: 16 rows, 8 a process on 2 processes."""
+    return grpo.Args(
+        model="x",
+        prompts_per_step=2,
+        group_size=8,
+        micro_batch_size=micro_batch_size,
+        beta=0.0,
+        dtype="float32",
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def test_activation_bytes_count_a_process_rows_under_torchrun():
+    """On 2 processes each holds 8 of the 16 rows: a micro-batch of 16 holds 8, half the activations of 1 process;
+    a micro-batch of 4 holds 4 either way."""
+    config = smollm2_config()
+    per_row = 30 * 4 * (576 + 1536) * 4 * 129  # 30 layers, 4 + 4 tensors, float32, 128 + 1 positions
+    assert model_checks.activation_bytes(torchrun_case(128, 16), config) == 16 * per_row
+    assert model_checks.activation_bytes(torchrun_case(128, 16), config, 2) == 8 * per_row
+    assert model_checks.activation_bytes(torchrun_case(128, 4), config, 2) == 4 * per_row
+
+
+@pytest.mark.parametrize(
+    "max_new_tokens, micro_batch_size, one, two",
+    [(128, 16, False, False), (256, 8, False, True), (192, 16, True, True)],
+)
+def test_checkpointing_auto_weighs_one_process_share_under_torchrun(
+    max_new_tokens, micro_batch_size, one, two, monkeypatch, capsys
+):
+    """Under torchrun each process weighs its own share, activations and the rest alike: 128 tokens in
+    micro-batches of 16 hold 1.95 GiB of activations on 1 process, 0.97 on each of 2 (off, under 1 GiB: weighed
+    as 1 process's against the 2 processes' sharded rest, 1.3 GiB, they would be on); 256 tokens in micro-batches
+    of 8 hold 1.94 GiB either way, against a rest of 2.5 GiB on 1 process (off) and 1.41 on 2 (on). The start-up
+    reads the number of processes from torchrun's WORLD_SIZE."""
+    from machinery import startup
+
+    args, config = torchrun_case(max_new_tokens, micro_batch_size), smollm2_config()
+    assert model_checks.choose_checkpointing(args, config)[0] == one
+    assert model_checks.choose_checkpointing(args, config, 2)[0] == two
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert startup.checkpointing(args, config) == one
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert startup.checkpointing(args, config) == two
+    assert f"activation checkpointing: {'on' if two else 'off'} (auto: " in capsys.readouterr().out
+
+
 def test_checkpointing_auto_leaves_a_small_step_alone():
     """The tiny model's default step, whose activations (12 MiB) outweigh its weights (18 MiB with the rest) at a
     few more tokens, stays off: below CHECKPOINTING_FLOOR nothing worth recomputing for."""

@@ -1345,4 +1345,28 @@ MUTANTS = [
         find="return ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))",
         replace="return ((ratio < 1 - clip_high) & (advantages < 0)) | ((ratio > 1 + clip_low) & (advantages > 0))",
     ),
+    dict(
+        name="checkpointing-activations-of-one-process",
+        file="machinery/model_checks.py",
+        tests=["tests/test_logit_memory.py", "-k", "torchrun"],
+        what="--gradient-checkpointing auto under torchrun weighs 1 process's activations against a sharded rest",
+        find="activation_bytes(args, config, world_size),",
+        replace="activation_bytes(args, config),",
+    ),
+    dict(
+        name="activation-bytes-every-process-rows",
+        file="machinery/model_checks.py",
+        tests=["tests/test_logit_memory.py", "-k", "torchrun"],
+        what="activation_bytes counts a micro-batch of the whole launch's rows, not one process's",
+        find="// world_size\n    tokens = min(args.micro_batch_size, rows) * (args.max_new_tokens + 1)",
+        replace="\n    tokens = min(args.micro_batch_size, rows) * (args.max_new_tokens + 1)",
+    ),
+    dict(
+        name="checkpointing-world-size-not-read",
+        file="machinery/startup.py",
+        tests=["tests/test_logit_memory.py", "-k", "torchrun"],
+        what="the start-up weighs --gradient-checkpointing auto as 1 process whatever torchrun's WORLD_SIZE",
+        find='world_size = int(os.environ.get("WORLD_SIZE", 1))',
+        replace="world_size = 1",
+    ),
 ]
