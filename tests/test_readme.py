@@ -138,3 +138,18 @@ def test_the_share_of_changed_lines_counts_what_diff_marks():
     assert doc_figures.changed_share(a, b) == 4 / 10
     assert doc_figures.main_lines(a) == ["def main(x):", "    return x", ""]
     assert doc_figures.changed_share(doc_figures.main_lines(a), doc_figures.main_lines(b)) == 2 / 6
+
+
+def test_the_shares_are_rounded_to_the_nearest_percent(tmp_path):
+    """6 of 14 lines changed (42.9%) and, in main, 4 of 6 (66.7%): 43 and 67, not 42 and 66; 2 of 6 (33.3%): 33,
+    not 34."""
+    texts = {
+        "a.py": ["import x", "s0 = 0", "s1 = 0", "def main():", "    p", "    q", "z = 0"],
+        "b.py": ["import x", "s0 = 0", "s1 = 0", "def main():", "    r", "    s", "z = 1"],
+        "c.py": ["def main():", "    p", "x = 0"],
+        "d.py": ["def main():", "    r", "x = 0"],
+    }
+    for name, lines in texts.items():
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    assert doc_figures.shares(str(tmp_path / "a.py"), str(tmp_path / "b.py")) == (43, 67)
+    assert doc_figures.shares(str(tmp_path / "c.py"), str(tmp_path / "d.py")) == (33, 50)

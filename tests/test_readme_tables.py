@@ -79,6 +79,61 @@ def test_a_forks_new_flag_is_missing_from_the_table_not_wrong_in_it():
     ]
 
 
+@pytest.mark.parametrize(
+    "above",
+    [
+        pytest.param(
+            "",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=IndexError,
+                reason="doc_figures.main --write looks for the table after '\\n# Every flag\\n', and docs/flags.md "
+                "begins with that heading (no newline before it): IndexError, after README.md was already rewritten "
+                "(table_rows prepends the newline; main does not) (issue 53, for the integrator)",
+            ),
+        ),
+        "Checked by benchmarks/doc_figures.py.\n\n",
+    ],
+    ids=["as-shipped", "a-line-above-the-heading"],
+)
+def test_doc_figures_write_adds_only_the_missing_rows_and_the_measured_figures(tmp_path, monkeypatch, above):
+    """--write on a copy of the docs, for a fork that adds one flag and whose two files differ in 6 of 14 lines
+    (main: 4 of 6): the table gains that flag's row after its last row and nothing else (no second row for a flag
+    it has), the README states 43% and 67, each in its place; --check passes afterwards and failed before."""
+
+    @dataclasses.dataclass
+    class Forked(grpo.Args):
+        cispo_clip: float = 5.0
+        """the importance weight is clipped above at 1 + cispo_clip"""
+
+    (tmp_path / "docs").mkdir()
+    for path, text in (("README.md", ""), (doc_figures.FLAGS_PAGE, above)):
+        text += open(os.path.join(ROOT, path), encoding="utf-8").read()
+        (tmp_path / path).write_text(text, encoding="utf-8")
+    (tmp_path / "grpo.py").write_text("import x\ns0 = 0\ns1 = 0\ndef main():\n    p\n    q\nz = 0\n")
+    (tmp_path / "ppo.py").write_text("import x\ns0 = 0\ns1 = 0\ndef main():\n    r\n    s\nz = 1\n")
+    monkeypatch.setattr(doc_figures, "ROOT", str(tmp_path))
+    forked = types.SimpleNamespace(Args=Forked, HUB_DEFAULTS=grpo.HUB_DEFAULTS)
+    monkeypatch.setattr(doc_figures, "scripts", lambda: dict(grpo=forked, ppo=ppo))
+    before = (tmp_path / doc_figures.FLAGS_PAGE).read_text(encoding="utf-8")
+
+    def run(*options):
+        monkeypatch.setattr(sys, "argv", ["doc_figures.py", *options])
+        doc_figures.main()
+
+    with pytest.raises(SystemExit, match="1"):
+        run("--check")
+    run("--write")
+    after = (tmp_path / doc_figures.FLAGS_PAGE).read_text(encoding="utf-8")
+    rows_before, rows_after = doc_figures.table_rows(before), doc_figures.table_rows(after)
+    assert rows_after[: len(rows_before)] == rows_before
+    assert rows_after[len(rows_before) :] == [
+        ["`--cispo-clip`", "5.0", "-", "the importance weight is clipped above at 1 + cispo_clip"]
+    ]
+    assert doc_figures.readme_shares((tmp_path / "README.md").read_text(encoding="utf-8")) == (43, 67)
+    run("--check")  # nothing left to write
+
+
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
     """{script: the scalar names one step logs}, with a reference, an evaluation and PPO's critic."""

@@ -1369,4 +1369,28 @@ MUTANTS = [
         find='world_size = int(os.environ.get("WORLD_SIZE", 1))',
         replace="world_size = 1",
     ),
+    dict(
+        name="doc-figures-shares-truncated",
+        file="benchmarks/doc_figures.py",
+        tests=["tests/test_readme.py", "-k", "rounded"],
+        what="doc_figures truncates the shares of changed lines (66.7% -> 66) instead of rounding them",
+        find="return round(changed_share(a, b) * 100), round(changed_share(main_lines(a), main_lines(b)) * 100)",
+        replace="return int(changed_share(a, b) * 100), int(changed_share(main_lines(a), main_lines(b)) * 100)",
+    ),
+    dict(
+        name="doc-figures-write-filter-inverted",
+        file="benchmarks/doc_figures.py",
+        tests=["tests/test_readme_tables.py", "-k", "doc_figures_write"],
+        what="doc_figures --write appends the rows the table has (a second row each) instead of the missing ones",
+        find="new = [row for row, flag in zip(new, code) if flag not in documented]",
+        replace="new = [row for row, flag in zip(new, code) if flag in documented]",
+    ),
+    dict(
+        name="doc-figures-write-figures-swapped",
+        file="benchmarks/doc_figures.py",
+        tests=["tests/test_readme_tables.py", "-k", "doc_figures_write"],
+        what="doc_figures --write puts main's share where the whole files' goes, and the reverse",
+        find='f"{m.group(1)}{measured[0]}{m.group(3)}{measured[1]}"',
+        replace='f"{m.group(1)}{measured[1]}{m.group(3)}{measured[0]}"',
+    ),
 ]
