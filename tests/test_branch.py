@@ -13,7 +13,7 @@ from test_reproducibility import logged_scalars, only_run_dir, quick_args
 
 import grpo
 import ppo
-from machinery import checkpoints, errors
+from machinery import checkpoints, errors, models
 
 
 def folder_hashes(folder):
@@ -78,14 +78,30 @@ GRPO_FIXED = [
     ("decay_norms_and_biases", False),
     ("warmup_steps", 2),
     ("lora_rank", 2),
+    ("task", "addition"),
+    ("model", "COPY OF TINY"),
 ]
-PPO_FIXED = [("kl_coef", 0.3), ("critic_learning_rate", 1e-3), ("learning_rate", 1e-3), ("warmup_steps", 2)]
+PPO_FIXED = [
+    ("kl_coef", 0.3),
+    ("critic_learning_rate", 1e-3),
+    ("learning_rate", 1e-3),
+    ("warmup_steps", 2),
+    ("critic_model", "COPY OF TINY"),
+]
+LORA_FIXED = [("lora_alpha", 16.0), ("lora_dropout", 0.1), ("lora_target_modules", ("q_proj",))]
+
+
+@pytest.fixture(scope="module")
+def tiny_copy(tmp_path_factory):
+    """The tiny model's files in another folder: the same weights under another --model (or --critic-model)."""
+    return shutil.copytree(models.resolve_model_path(models.TINY_MODEL), tmp_path_factory.mktemp("copy") / "tiny")
 
 
 @pytest.mark.parametrize("field, value", GRPO_FIXED)
-def test_a_branch_keeps_what_fixes_the_checkpoint(saved, field, value):
+def test_a_branch_keeps_what_fixes_the_checkpoint(saved, tiny_copy, field, value):
     root, checkpoint, _, _ = saved
     flag = "--" + field.replace("_", "-")
+    value = str(tiny_copy) if value == "COPY OF TINY" else value
     with pytest.raises(errors.UsageError, match=f"was run with {flag} .*a branch keeps it"):
         grpo.main(quick_args("grpo", root / f"fixed_{field}", num_steps=3, resume=checkpoint, **{field: value}))
     assert not glob.glob(str(root / f"fixed_{field}" / "*"))  # refused before a folder was made
@@ -103,15 +119,34 @@ def ppo_saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value", PPO_FIXED)
-def test_a_ppo_branch_keeps_what_fixes_the_checkpoint(ppo_saved, field, value):
+def test_a_ppo_branch_keeps_what_fixes_the_checkpoint(ppo_saved, tiny_copy, field, value):
     """kl_coef above all: the restored KL controller's value would silently override a new --kl-coef."""
     root, checkpoints_by_vf = ppo_saved
     flag = "--" + field.replace("_", "-")
+    value = str(tiny_copy) if value == "COPY OF TINY" else value
     with pytest.raises(errors.UsageError, match=f"was run with {flag} .*a branch keeps it"):
         ppo.main(
             quick_args("ppo", root / f"fixed_{field}", num_steps=2, resume=checkpoints_by_vf[0.1], **{field: value})
         )
     assert not glob.glob(str(root / f"fixed_{field}" / "*"))
+
+
+@pytest.fixture(scope="module")
+def lora_saved(tmp_path_factory):
+    """A 1-step grpo run with LoRA adapters of rank 2, and its checkpoint."""
+    root = tmp_path_factory.mktemp("lora_branch")
+    grpo.main(quick_args("grpo", root / "source", num_steps=1, save_every=1, lora_rank=2))
+    return root, os.path.join(only_run_dir(root / "source"), "checkpoint")
+
+
+@pytest.mark.parametrize("field, value", LORA_FIXED)
+def test_a_lora_branch_keeps_what_fixes_the_checkpoint(lora_saved, field, value):
+    """The adapters' scale, dropout and layers fix what a LoRA checkpoint holds."""
+    root, checkpoint = lora_saved
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(errors.UsageError, match=f"was run with {flag} .*a branch keeps it"):
+        grpo.main(quick_args("grpo", root / field, num_steps=2, resume=checkpoint, lora_rank=2, **{field: value}))
+    assert not glob.glob(str(root / field / "*"))
 
 
 def test_a_branch_is_not_refused_by_the_sources_final_model(saved, tmp_path):

@@ -1393,4 +1393,20 @@ MUTANTS = [
         find='f"{m.group(1)}{measured[0]}{m.group(3)}{measured[1]}"',
         replace='f"{m.group(1)}{measured[1]}{m.group(3)}{measured[0]}"',
     ),
+    dict(
+        name="branch-forgets-the-model-and-task",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_branch.py", "-k", "keeps_what_fixes"],
+        what="a branch lets --model and --task differ: another model's weights, or other data, under the checkpoint",
+        find='"model task seed critic_model lora_rank',
+        replace='"seed critic_model lora_rank',
+    ),
+    dict(
+        name="branch-forgets-the-adapters-shape",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_branch.py", "-k", "keeps_what_fixes"],
+        what="a branch lets --lora-alpha, --lora-dropout and --lora-target-modules differ from the adapters saved",
+        find="lora_rank lora_alpha lora_dropout lora_target_modules",
+        replace="lora_rank",
+    ),
 ]
