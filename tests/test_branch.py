@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from test_reproducibility import logged_scalars, only_run_dir, quick_args
@@ -163,6 +165,34 @@ def test_a_branch_is_not_refused_by_the_sources_final_model(saved, tmp_path):
     assert checkpoints.final_step(os.path.join(only_run_dir(tmp_path / "branch"), "final")) == 3
     with pytest.raises(errors.UsageError, match="holds the model of step 3"):
         grpo.main(quick_args("grpo", tmp_path / "source", num_steps=3, resume=copied))
+
+
+def test_a_branch_reads_a_source_that_is_still_running(saved, tmp_path):
+    """The source's run still goes on (another process holds its folder's lock): a branch only reads its checkpoint,
+    so it runs; a resume in place would write beside that run, so it is refused."""
+    root, checkpoint, _, _ = saved
+    source = shutil.copytree(os.path.dirname(checkpoint), tmp_path / "source" / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, os.path.join(source, ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        copied = os.path.join(source, "checkpoint")
+        with pytest.raises(errors.UsageError, match="is in use by another run"):
+            grpo.main(quick_args("grpo", tmp_path / "source", num_steps=3, resume=copied))
+        grpo.main(quick_args("grpo", tmp_path / "branch", num_steps=3, resume=copied))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoints.final_step(os.path.join(only_run_dir(tmp_path / "branch"), "final")) == 3
+
+
+HOLD_LOCK = """import fcntl, sys, time
+handle = open(sys.argv[1], "a")
+fcntl.flock(handle, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(120)
+"""
 
 
 def test_a_resume_with_output_dir_at_its_default_continues_in_place(saved, tmp_path, monkeypatch):

@@ -1409,4 +1409,12 @@ MUTANTS = [
         find="lora_rank lora_alpha lora_dropout lora_target_modules",
         replace="lora_rank",
     ),
+    dict(
+        name="branch-locks-the-source",
+        file="machinery/checkpoints.py",
+        tests=["tests/test_branch.py", "-k", "still_running"],
+        what="a branch takes the source's lock: branching from a run that still goes on is refused",
+        find="    if not branch:\n        lock_run_folder(os.path.dirname(os.path.abspath(folder)))",
+        replace="    if True:\n        lock_run_folder(os.path.dirname(os.path.abspath(folder)))",
+    ),
 ]
