@@ -1417,4 +1417,12 @@ MUTANTS = [
         find="    if not branch:\n        lock_run_folder(os.path.dirname(os.path.abspath(folder)))",
         replace="    if True:\n        lock_run_folder(os.path.dirname(os.path.abspath(folder)))",
     ),
+    dict(
+        name="parse-error-with-the-boxs-footer",
+        file="machinery/flags.py",
+        tests=["tests/test_cli.py", "-k", "parse_error"],
+        what="the one-line parse error keeps the box's rule and footer ('For full helptext, run ...')",
+        find='message = " ".join(itertools.takewhile(lambda line: not line.startswith("─"), lines))',
+        replace='message = " ".join(lines)',
+    ),
 ]
