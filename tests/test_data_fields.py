@@ -50,6 +50,18 @@ def test_example_fields_one_entry_a_completion():
         common.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
 
 
+def test_example_fields_tensor_types_follow_the_values():
+    """Bools alone: a bool tensor; ints with a float: float32; a bool among numbers (JSON's true beside 2) is no
+    number to torch's eyes: a list, as written."""
+
+    def field(*values):
+        return common.example_fields([dict(prompt=str(i), answer="1", f=v) for i, v in enumerate(values)], 1)["f"]
+
+    assert field(True, False).dtype == torch.bool and field(True, False).tolist() == [True, False]
+    assert field(1, 0.5).dtype == torch.float32 and field(1, 0.5).tolist() == [1.0, 0.5]
+    assert field(True, 2) == [True, 2] and field(0.5, False) == [0.5, False]
+
+
 def test_example_fields_keep_an_int_past_int64_as_a_list():
     """JSON's integers have no bound; int64's is 2**63 - 1: up to it (either sign) a tensor, from 2**63 a list."""
     for largest in (2**63 - 1, -(2**63 - 1)):

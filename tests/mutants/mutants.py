@@ -1425,4 +1425,12 @@ MUTANTS = [
         find='message = " ".join(itertools.takewhile(lambda line: not line.startswith("─"), lines))',
         replace='message = " ".join(lines)',
     ),
+    dict(
+        name="example-fields-bool-among-numbers",
+        file="common.py",
+        tests=["tests/test_data_fields.py", "-k", "tensor_types"],
+        what="a JSONL field of true beside 2 becomes the int tensor [1, 2]: the bool read as a number",
+        find="for v in values) and len({type(v) is bool for v in values}) == 1",
+        replace="for v in values)",
+    ),
 ]
