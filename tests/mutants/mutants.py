@@ -1433,4 +1433,28 @@ MUTANTS = [
         find="for v in values) and len({type(v) is bool for v in values}) == 1",
         replace="for v in values)",
     ),
+    dict(
+        name="step-bytes-weights-not-sharded",
+        file="machinery/model_checks.py",
+        tests=["tests/test_logit_memory.py", "-k", "torchrun"],
+        what="the step's rest counts every model whole on each process under torchrun (FSDP shards them)",
+        find="parts = {key: size // world_size for key, size in parts.items()}",
+        replace="parts = dict(parts)",
+    ),
+    dict(
+        name="step-bytes-every-process-rows",
+        file="machinery/model_checks.py",
+        tests=["tests/test_logit_memory.py", "-k", "torchrun"],
+        what="the step's rest counts the whole launch's rows on each process under torchrun",
+        find="// world_size\n    width = 4 if",
+        replace="\n    width = 4 if",
+    ),
+    dict(
+        name="doc-figures-check-fails-when-current",
+        file="benchmarks/doc_figures.py",
+        tests=["tests/test_readme_tables.py", "-k", "doc_figures_write"],
+        what="doc_figures --check exits 1 even when the docs state the code's figures and every flag",
+        find="elif options.check and problems:",
+        replace="elif options.check:",
+    ),
 ]
