@@ -20,6 +20,7 @@ import grpo
 import ppo
 from machinery import bookkeeping, checkpoints, dumps, models, startup
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL, tiny_model_dir
 from tasks import Task
 from tasks import user as user_tasks
 
@@ -236,7 +237,7 @@ def test_principle2_nonfinite_weights_are_never_saved_as_the_final_model(module,
 
 
 def test_principle2_a_checkpoint_is_not_replaced_by_nonfinite_weights(tmp_path, tiny_tokenizer):
-    model = models.load_causal_lm(models.TINY_MODEL, models.CPU)
+    model = models.load_causal_lm(TINY_MODEL, models.CPU)
     folder = str(tmp_path / "run" / "checkpoint")
     checkpoints.save_model(model, tiny_tokenizer, folder)
     with torch.no_grad():
@@ -410,7 +411,7 @@ def test_principle5_a_tokenizer_with_neither_pad_nor_eos(tmp_path, tiny_tokenize
 def test_principle5_a_critic_with_another_vocabulary(tmp_path, tiny_tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    other = tiny_tokenizer.__class__.from_pretrained(models.tiny_model_dir())
+    other = tiny_tokenizer.__class__.from_pretrained(tiny_model_dir())
     other.add_tokens(["<extra>"])
     config = Qwen2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=40

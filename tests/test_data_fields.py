@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
 import ppo
-from machinery import checkpoints
+from machinery import batches, checkpoints
 from machinery.errors import UsageError
 from tasks.preferences import load_pairs
 from tasks.user import read_jsonl
@@ -41,13 +40,13 @@ def test_a_pairs_margin_is_kept(tmp_path):
 
 def test_example_fields_one_entry_a_completion():
     examples = [dict(prompt="a", answer="1", margin=0.5, level=1, note="x"), dict(prompt="b", answer="2", level=3)]
-    fields = common.example_fields(examples, 2)
+    fields = batches.example_fields(examples, 2)
     assert fields["level"].tolist() == [1, 1, 3, 3] and fields["level"].dtype == torch.int64
     assert fields["margin"] == [0.5, 0.5, None, None]  # a line lacks it: a list
     assert fields["note"] == ["x", "x", None, None]
-    assert common.example_fields([dict(prompt="a", answer="1", margin=2, w=0.5)], 1)["margin"].dtype == torch.int64
+    assert batches.example_fields([dict(prompt="a", answer="1", margin=2, w=0.5)], 1)["margin"].dtype == torch.int64
     with pytest.raises(UsageError, match="'rewards' is a name the batch uses"):
-        common.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
+        batches.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
 
 
 @pytest.mark.parametrize("module", [grpo, ppo])

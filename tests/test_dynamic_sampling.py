@@ -7,6 +7,7 @@ import torch
 
 import common
 import grpo
+from machinery import batches
 
 
 def fake_round(rewards, prompt_width, completion_width, tag):
@@ -26,7 +27,7 @@ def fake_round(rewards, prompt_width, completion_width, tag):
 
 def test_concat_batches_pads_prompts_left_and_completions_right():
     a, b = fake_round([0.0, 1.0], 3, 2, tag=1), fake_round([1.0], 1, 4, tag=2)
-    joined = common.concat_batches(a, b)
+    joined = batches.concat_batches(a, b)
     assert joined["prompts"] == ["p1.0", "p1.1", "p2.0"]
     assert joined["prompt_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1]]  # left padding
     assert joined["prompt_ids"][2].tolist() == [0, 0, 200]

@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 import common
 import ppo
-from machinery import models, scoring
+from machinery import generation, models, scoring
+from machinery.tiny_model import TINY_MODEL
 
 
 def gae_by_loops(rewards, values, lengths, gamma, lam):
@@ -88,7 +89,7 @@ def test_score_lands_on_first_eos_when_pad_equals_eos():
     """pad = EOS: the completion's mask from mask_after_eos ends at the first EOS, and so does the score."""
     eos = 1
     completion_ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
-    mask = common.mask_after_eos(completion_ids, [eos])
+    mask = generation.mask_after_eos(completion_ids, [eos])
     placed = scoring.score_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
     assert placed.nonzero().tolist() == [[0, 2], [1, 1], [2, 4]]
     assert placed.sum().item() == 6.0
@@ -157,8 +158,8 @@ def test_adaptive_kl_coef_moves_towards_target():
 
 @pytest.mark.exact
 def test_critic_starts_from_policy_weights(tmp_path):
-    policy = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
+    policy = models.load_causal_lm(TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu"))
     backbone = dict(policy.get_decoder().named_parameters())
     critic_backbone = dict(critic.backbone.named_parameters())
     assert backbone.keys() == critic_backbone.keys()
@@ -171,7 +172,7 @@ def test_critic_starts_from_policy_weights(tmp_path):
 @pytest.mark.exact
 def test_the_value_head_starts_at_zero():
     """lm-human-preferences zero-initialises the value head: every value of a fresh critic is 0, whatever the input."""
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu"))
     assert torch.equal(critic.value_head.weight, torch.zeros_like(critic.value_head.weight))
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1], [4, 9, 10, 11, 12, 13]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -182,7 +183,7 @@ def test_the_value_head_starts_at_zero():
 
 def test_token_values_align_with_token_logprobs():
     """V(s_t) is read at the position that predicts token t, like the log-prob of token t."""
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu")).eval()
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu")).eval()
     torch.nn.init.normal_(critic.value_head.weight)  # a zero head would give 0 everywhere and prove nothing
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])

@@ -18,8 +18,9 @@ from test_exactness import bos_tokenizer
 import grpo
 import ppo
 import reward_model
-from machinery import models
+from machinery import generation, learnt_reward, models
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 from tasks import copy_task, preferences
 from tasks.rewards import graded_copy_reward
 
@@ -115,7 +116,7 @@ def test_the_saved_model_loads_and_scores_the_same_through_ppos_reward_model(tra
     loaded = AutoModelForSequenceClassification.from_pretrained(trained)
     assert loaded.config.num_labels == 1 and loaded.config.pad_token_id is not None
     pairs = tiny_pairs()
-    scorer = models.RewardModel(trained, CPU, torch.float32, batch_size=2)  # what --reward-model loads
+    scorer = learnt_reward.RewardModel(trained, CPU, torch.float32, batch_size=2)  # what --reward-model loads
     prompts = [p["prompt"] for p in pairs]
     theirs = scorer.score(prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], [""] * 6)
     with torch.no_grad():
@@ -131,7 +132,7 @@ def absolute_position_reward_model(folder):
     (the tiny model's) would hide."""
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     config = GPT2Config(
         vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5, num_labels=1
     )
@@ -159,10 +160,13 @@ def test_training_and_scoring_read_each_text_as_it_is_scored_alone(tmp_path):
     model, tokenizer = reward_model.load_reward_model(folder, CPU).eval(), models.load_tokenizer(folder)
     with torch.no_grad():
         alone = [
-            model(**models.reward_inputs(tokenizer, [p], [c])).logits[0, 0].item() for p, c in zip(prompts, completions)
+            model(**learnt_reward.reward_inputs(tokenizer, [p], [c])).logits[0, 0].item()
+            for p, c in zip(prompts, completions)
         ]
         trained_on = torch.cat(reward_model.pair_rewards(model, tokenizer, pairs, CPU)).tolist()
-    scored = models.RewardModel(folder, CPU, torch.float32, batch_size=4).score(prompts, completions, [""] * 6)  # 4 + 2
+    scored = learnt_reward.RewardModel(folder, CPU, torch.float32, batch_size=4).score(
+        prompts, completions, [""] * 6
+    )  # 4 + 2
     assert trained_on == pytest.approx(alone, abs=1e-5) and scored == pytest.approx(alone, abs=1e-5)
     assert max(alone) - min(alone) > 0.1  # scores far apart: a padded row that moved would show
 
@@ -217,15 +221,17 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tmp_path, micro_b
 def test_reward_texts_of_a_conversation_and_of_strings_are_one_text():
     """A conversational pair renders as RewardModel renders a string prompt and completion (user, then assistant)."""
     tokenizer = bos_tokenizer()
-    strings, templated = models.reward_texts(tokenizer, ["what is 2+2?"], ["4"])
-    messages, _ = models.reward_texts(
+    strings, templated = learnt_reward.reward_texts(tokenizer, ["what is 2+2?"], ["4"])
+    messages, _ = learnt_reward.reward_texts(
         tokenizer, [[{"role": "user", "content": "what is 2+2?"}]], [[{"role": "assistant", "content": "4"}]]
     )
     assert templated and strings == messages == ["<s>[user] what is 2+2?\n[assistant] 4\n"]
-    tiny = models.load_tokenizer(models.TINY_MODEL)
-    assert models.reward_texts(tiny, ["12="], ["12"]) == (["12=12"], False)
+    tiny = models.load_tokenizer(TINY_MODEL)
+    assert learnt_reward.reward_texts(tiny, ["12="], ["12"]) == (["12=12"], False)
     with pytest.raises(UsageError, match="need a tokenizer with a chat template"):
-        models.reward_texts(tiny, [[{"role": "user", "content": "1="}]], [[{"role": "assistant", "content": "1"}]])
+        learnt_reward.reward_texts(
+            tiny, [[{"role": "user", "content": "1="}]], [[{"role": "assistant", "content": "1"}]]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,8 +386,6 @@ def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
     that of its completions, the KL 0 at step 1 (the policy is the reference) and not after an update."""
     import importlib.util
 
-    import common
-
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "rlhf.py")
     spec = importlib.util.spec_from_file_location("rlhf", path)
     rlhf = importlib.util.module_from_spec(spec)
@@ -391,9 +395,9 @@ def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
     ppo.main(ppo.Args(reward_model=trained, dump_dir=dump_dir, **flags))
     rows = rlhf.curves(dump_dir)
     dump = load_file(os.path.join(dump_dir, "step000002.safetensors"))
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     prompts = tokenizer.batch_decode(dump["prompt_ids"], skip_special_tokens=True)
-    texts = common.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], [1])
+    texts = generation.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], [1])
     gold = [graded_copy_reward(p, c, p[:-1]) for p, c in zip(prompts, texts)]
     assert rows.shape == (2, 4) and rows[1, 0].item() == pytest.approx(dump["scores"].mean().item())
     assert rows[1, 1].item() == pytest.approx(sum(gold) / len(gold)) and rows[0, 2].item() == 0.0

@@ -140,19 +140,19 @@ MUTANTS = [
     ),
     dict(
         name="grpo-length-counts-prompt",
-        file="grpo.py",
+        file="machinery/bookkeeping.py",
         tests=REF_GRPO,
         what="charts/completion_length counts the prompt's tokens too (the attention mask, not the completion mask)",
-        find="lengths = dist.gather(b_mask.sum(1).float())",
-        replace="lengths = dist.gather(inputs[1].sum(1).float())",
+        find="lengths = dist.gather(mask.sum(1).float())",
+        replace='lengths = dist.gather(torch.cat([sampled["prompt_mask"], mask], 1).sum(1).float())',
     ),
     dict(
         name="grpo-tokens-completion-only",
-        file="grpo.py",
+        file="machinery/bookkeeping.py",
         tests=REF_GRPO,
         what="perf/tokens_per_second counts completion tokens only",
-        find='history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))',
-        replace='history["tokens"] += dist.sum(int(b_mask.sum()))',
+        find='history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + mask.sum()))',
+        replace='history["tokens"] += dist.sum(int(mask.sum()))',
     ),
     # ---------------------------------------------------------------------------------------- ppo.py
     dict(
@@ -337,7 +337,7 @@ MUTANTS = [
     ),
     dict(
         name="common-mask-drops-eos",
-        file="common.py",
+        file="machinery/generation.py",
         tests=REF_GRPO,
         what="the completion mask stops before the EOS instead of including it",
         find="return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()",
@@ -395,7 +395,7 @@ MUTANTS = [
     # ---------------------------------------------------------------------------------------- tasks.py
     dict(
         name="tasks-sampler-with-replacement",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="the sampler reads the next index without removing it: the same example forever",
         find="batch.append(self.examples[self.order.pop()])",
@@ -403,7 +403,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-state-alias",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="state_dict hands out the live order list, which moves on after the checkpoint",
         find='return {"rng": self.rng.getstate(), "order": list(self.order)}',
@@ -411,7 +411,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-rng-not-restored",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="load_state_dict restores the order but not the RNG: the next pass differs after a resume",
         find='        self.rng.setstate(state["rng"])\n',
@@ -419,7 +419,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-global-random",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="the passes are shuffled with the global random module, not the sampler's seeded RNG",
         find="self.rng.shuffle(self.order)",
@@ -490,7 +490,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-one-shuffle-per-step",
-        file="common.py",
+        file="machinery/batches.py",
         tests=GRADIENTS_PPO,
         what="one permutation per step, reused by every epoch: the epochs draw the same minibatches",
         find=(
@@ -508,8 +508,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --update-epochs (equal defaults hide it)",
-        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
-        replace="common.shuffled_minibatches(N, args.update_epochs, args.update_epochs, device)",
+        find="batches.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="batches.shuffled_minibatches(N, args.update_epochs, args.update_epochs, device)",
     ),
     dict(
         name="ppo-kl-coef-not-restored",
@@ -529,7 +529,7 @@ MUTANTS = [
     ),
     dict(
         name="common-decode-first-eos-only",
-        file="common.py",
+        file="machinery/generation.py",
         tests=["tests/test_eos.py"],
         what="only the first of several EOS ids is stripped from the decoded text",
         find="if ids and ids[-1] in eos_ids:",
@@ -741,8 +741,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --samples-per-prompt instead of --num-minibatches",
-        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
-        replace="common.shuffled_minibatches(N, args.update_epochs, args.samples_per_prompt, device)",
+        find="batches.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="batches.shuffled_minibatches(N, args.update_epochs, args.samples_per_prompt, device)",
     ),
     dict(
         name="ppo-samples-printed-per-prompts",
@@ -770,7 +770,7 @@ MUTANTS = [
     ),
     dict(
         name="common-generate-last-columns",
-        file="common.py",
+        file="machinery/generation.py",
         tests=["tests/test_generate.py"],
         what="the completion is the last max_new_tokens columns: prompt tokens when every row stops early",
         find="completion_ids = out[:, prompt_ids.shape[1] :]",
@@ -859,7 +859,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-kl-horizon-against-prompts",
-        file="ppo.py",
+        file="machinery/flag_checks.py",
         tests=["tests/test_bad_input_flags_and_state.py", "-k", "count_completions"],
         what="--kl-horizon is checked against the prompts of a step, not its completions (prompts x samples)",
         find="args.target_kl is not None and args.kl_horizon < batch_size:",
@@ -867,7 +867,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-minibatches-against-prompts",
-        file="ppo.py",
+        file="machinery/flag_checks.py",
         tests=["tests/test_bad_input_flags_and_state.py", "-k", "count_completions"],
         what="--num-minibatches is checked against the prompts per process, not the completions",
         find="per_process = batch_size // dist.world_size()",
@@ -899,7 +899,7 @@ MUTANTS = [
     ),
     dict(
         name="reward-inputs-tokenizer-side",
-        file="machinery/models.py",
+        file="machinery/learnt_reward.py",
         tests=["tests/test_reward_model.py", "-k", "alone"],
         what="the reward model's inputs are padded on the tokenizer's own side (left) in training, right in scoring",
         find='return tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens',
@@ -1058,8 +1058,9 @@ MUTANTS = [
         file="common.py",
         tests=["tests/test_grpo.py", "-k", "clipfrac"],
         what="losses/clipfrac recomputes the PPO clip from clip_low instead of reading what the loss clipped",
-        find='means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)',
-        replace='means["clipfrac"] = clip_fraction(terms["logratio"], terms["advantages"], 0.2, 0.2, mask)',
+        find="            stats[RENAMED.get(key, key)] = (masked_mean(value, mask), tokens)\n",
+        replace="            stats[RENAMED.get(key, key)] = (masked_mean(value, mask) if key != 'clipped' else "
+        "clip_fraction(terms['logratio'], terms['advantages'], 0.2, 0.2, mask), tokens)\n",
     ),
     dict(
         name="fingerprint-of-four-keys-only",
@@ -1071,7 +1072,7 @@ MUTANTS = [
     ),
     dict(
         name="example-fields-dropped",
-        file="common.py",
+        file="machinery/batches.py",
         tests=["tests/test_data_fields.py", "-k", "reaches"],
         what="the examples' other fields never reach the loss's batch",
         find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
