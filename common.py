@@ -317,7 +317,9 @@ def logged_losses(updates):
         for terms in micro_terms:
             stats = loss_statistics(terms)
             names = list(stats)
-            update = update + torch.stack([torch.stack([value.double() * w, w]) for value, w in stats.values()])
+            update = update + torch.stack(
+                [torch.stack([value.double() * w if w > 0 else value.double(), w]) for value, w in stats.values()]
+            )
         sums.append(update)
     sums = dist.sum(torch.stack(sums))  # [updates, statistics, 2]
     means = sums[..., 0] / sums[..., 1].clamp(min=1)
@@ -326,22 +328,22 @@ def logged_losses(updates):
 
 def loss_statistics(terms):
     """One micro-batch's statistics, (value, weight) by logged name, from the loss's own terms (a variant's loss says
-    what it clipped): a mean over its real tokens weighs its tokens, over its completions their number, and a term of
-    no dimension is summed (weight 0: divided by 1)."""
-    mask = terms["mask"]
-    tokens = mask.sum().double()
-    rows, none = tokens.new_tensor(len(mask)), tokens.new_zeros(())
+    what it clipped): a mean over its real tokens weighs its tokens, over its rows their number, and a term of no
+    dimension is summed (weight 0: divided by 1). reward_model.py's terms have no mask, and no per-token term."""
+    mask = terms.get("mask")
+    tokens = None if mask is None else mask.sum().double()
     stats = {"approx_kl": (approx_kl(terms["logratio"], mask), tokens)} if "logratio" in terms else {}
     for key, value in terms.items():
         if key in NOT_LOGGED or not torch.is_tensor(value):
             continue
         value = value.float() if value.dtype == torch.bool else value  # a mask of tokens: the share it holds
-        if value.shape == mask.shape:
+        one = torch.ones((), dtype=torch.float64, device=value.device)
+        if mask is not None and value.shape == mask.shape:
             stats[RENAMED.get(key, key)] = (masked_mean(value, mask), tokens)
-        elif value.dim() == 1 and len(value) == len(mask):
-            stats[key] = (value.mean(), rows)
+        elif value.dim() == 1:
+            stats[key] = (value.mean(), one * len(value))
         elif value.dim() == 0:
-            stats[key] = (value, none)
+            stats[key] = (value, one * 0)
     return stats
 
 

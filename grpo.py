@@ -88,7 +88,7 @@ class Args(flags.RunArgs):
     group_size: int = 8
     """completions per prompt (G), the group the advantage is standardised over"""
     num_iterations: int = 1
-    """optimizer steps on each batch (mu in the paper)"""
+    """optimizer steps on each batch (mu in the paper); at 1 every ratio is 1: GMPO-like variants are no-ops"""
     beta: float = 0.08
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
     scale_rewards: Literal["group", "batch", "none"] = "batch"
@@ -340,7 +340,7 @@ def main(args, flags_given=()):
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
-        lengths = bookkeeping.record(history, sampled, all_scores)  # the score: GRPO's reward (its KL is in the loss)
+        lengths = bookkeeping.record(history, sampled, all_scores, pbar)  # the score: GRPO's reward (KL: in the loss)
         groups = all_scores.view(-1, args.group_size)  # [prompts, G]
         baseline = groups.mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
         scalars = {
@@ -358,7 +358,6 @@ def main(args, flags_given=()):
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
-        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
             checkpoints.save_checkpoint(

@@ -206,6 +206,14 @@ def next_kl_coef(batch, args, gather=lambda x: x):
     return adaptive_kl_coef(float(batch["kl_coef"]), seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
 
 
+def setup_state(sample, models, args):
+    """State measured once, before the first step and after the models load (docs/fork.md): e.g. a reward's gain and
+    bias on the initial policy's completions (`sample()`: one round, scored; `models`: by name). A dict of tensors and
+    numbers: the checkpoint carries it (a resumed run gets it back, never measured again) and every step's batch holds
+    it under its own names, so each entry point, the dumps and verify.py read it. PPO measures nothing."""
+    return {}
+
+
 def compute_gae(rewards, values, mask, gamma, lam):
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16), per token. Returns (advantages, returns).
 
@@ -332,6 +340,7 @@ def main(args, flags_given=()):
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef
+    setup = run.state["setup"] if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
@@ -356,7 +365,7 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
-            b_rollout = dict(batches.batch_inputs(sampled), scores=scores, token_scores=sampled["token_scores"])
+            b_rollout = dict(batches.batch_inputs(sampled, setup), scores=scores, token_scores=sampled["token_scores"])
             b_rollout.update(values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(kl_coef))
             b_rollout["eos_ids"] = torch.tensor(eos_ids, device=device)
             # Each entry point gets its batch from common.entry_batch, as verify.py gives it.
@@ -400,7 +409,7 @@ def main(args, flags_given=()):
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
         all_scores, seq_rewards = dist.gather(scores, b_rewards.sum(1))
-        lengths = bookkeeping.record(history, sampled, all_scores)  # the score: before the penalties of the reward
+        lengths = bookkeeping.record(history, sampled, all_scores, pbar)  # the score: before the reward's penalties
         scalars = {
             "charts/reward": seq_rewards.mean(),
             "charts/score": history["score"][-1],  # reward: score - penalties
@@ -418,11 +427,10 @@ def main(args, flags_given=()):
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
-        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
         kl_coef = next_kl_coef(b_rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
-            carried = dict(history=history, kl_coef=kl_coef)  # what the next step starts from
+            carried = dict(history=history, kl_coef=kl_coef, setup=setup)  # what the next step starts from
             checkpoints.save_checkpoint(
                 checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, **carried
             )

@@ -127,10 +127,13 @@ def bradley_terry_loss(chosen_rewards, rejected_rewards, total_pairs):
 def compute_loss(outputs, batch, args):
     """The loss entry point the training loop calls: bradley_terry_loss on a micro-batch's scores (outputs: chosen
     and rejected, [n] each, with the gradient) as its share of the batch of batch["num_pairs"] pairs. A new loss
-    term goes here. Returns the loss and, detached, its terms (for logs and the non-finite stop)."""
+    term goes here: each term it returns is logged under its own name (losses/bt_loss: the Bradley-Terry term, summed
+    over the micro-batches; common.logged_losses). Returns the loss and, detached, its terms."""
     chosen, rejected = outputs["chosen"], outputs["rejected"]
-    loss = bradley_terry_loss(chosen, rejected, batch["num_pairs"])
-    return loss, {"margin": (chosen - rejected).detach(), "loss": loss.detach()}
+    bt_loss = bradley_terry_loss(chosen, rejected, batch["num_pairs"])
+    loss = bt_loss
+    terms = dict(margin=chosen - rejected, bt_loss=bt_loss, loss=loss)
+    return loss, {key: value.detach() for key, value in terms.items()}
 
 
 def pair_scores(model, enc, n):
@@ -272,7 +275,7 @@ def main(args, flags_given=()):
         if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:
             history["eval"] = evaluate(model, tokenizer, task.test, args.micro_batch_size, device, dtype)
             scalars.update(history["eval"])
-        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}
+        losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])  # each term by its name
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's update used
         pbar.set_postfix(loss=f"{b_loss:.3f}", acc=f"{history['eval'].get('eval/accuracy', float('nan')):.3f}")

@@ -82,12 +82,16 @@ def model_inputs(batch):
     return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_mask"]
 
 
-def batch_inputs(batch):
+def batch_inputs(batch, setup=None):
     """What the algorithm reads of a sampled batch beside its rewards: the token ids and masks a model reads
-    (prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T]) and the examples' other fields [N]
-    (a `margin`: example_fields), so they reach the loss's batch and the dumps."""
-    inputs = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}
+    (prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T]), the examples' other fields [N]
+    (a `margin`: example_fields) and the run's setup state (the algorithm file's setup_state, the same every step),
+    each under its own name, so they reach the entry points' batches and the dumps."""
+    names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    taken = [name for name in setup or {} if name in BATCH_NAMES or name in batch or not isinstance(name, str)]
+    if taken:
+        raise UsageError(f"setup_state's {taken[0]!r} is a name the batch uses for its own: rename it")
+    return dict(setup or {}, **{key: value for key, value in batch.items() if key in names or key not in ROLLOUT_KEYS})
 
 
 def shuffled_minibatches(n, epochs, num_minibatches, device):

@@ -1,5 +1,7 @@
 """ppo.py's formulas against hand-worked values and separately written loops."""
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -286,3 +288,58 @@ def test_each_models_gradient_is_clipped_to_max_grad_norm(monkeypatch, tmp_path)
     assert len(norms) == 4 and all(len(groups) == 2 for groups in norms)  # 2 epochs x 2 minibatches; policy, critic
     assert all(norm <= 1e-3 * (1 + 1e-4) for groups in norms for norm in groups), norms
     assert max(max(groups) for groups in norms) > 0.5e-3  # the clip acted: the raw gradients were larger
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fork's own state and loss terms (issue 52): measured once and carried by the checkpoint; logged by name.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_forks_setup_state_is_measured_once_carried_on_resume_and_its_loss_terms_logged(tmp_path, monkeypatch):
+    """A fork that measures a gain once (setup_state) and adds a loss term with a count of the tokens it hit: the
+    gain reaches every compute_loss batch and the dump, a resumed run gets it from the checkpoint without measuring
+    again, and both new terms reach TensorBoard under losses/ with their values (token mean; summed count)."""
+    import glob
+
+    from safetensors.torch import load_file
+    from test_loop_wiring import logged_scalars
+
+    measured, seen, hits = [], [], {}
+    plain_loss = ppo.compute_loss
+
+    def setup_state(sample, models, args):
+        assert set(models) == {"policy", "critic", "reference"} and sample()["rewards"].shape == (8,)
+        measured.append(1)
+        return {"gain": torch.tensor(0.5 + len(measured))}  # 1.5 at the first measure, 2.5 at a second
+
+    def compute_loss(outputs, batch, args):
+        seen.append(float(batch["gain"]))
+        loss, terms = plain_loss(outputs, batch, args)
+        hit = (terms["pg_loss"] > 0) & batch["completion_mask"].bool()  # [n, T]
+        bonus = batch["gain"] * hit.float()
+        terms.update(bonus=bonus, bonus_tokens=hit.sum())
+        hits.setdefault(len(hits), (bonus, batch["completion_mask"], hit.sum()))
+        return loss, terms
+
+    monkeypatch.setattr(ppo, "setup_state", setup_state)
+    monkeypatch.setattr(ppo, "compute_loss", compute_loss)
+    flags = dict(seed=1, prompts_per_step=8, num_minibatches=1, update_epochs=1, sample_every=0)
+    ppo.main(ppo.Args(**flags, num_steps=1, save_every=1, output_dir=str(tmp_path / "runs")))
+    (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
+    bonus, mask, count = hits[0]
+    scalars = logged_scalars(run_dir)
+    assert scalars["losses/bonus"][1] == pytest.approx(float((bonus * mask).sum() / mask.sum()), rel=1e-6)
+    assert scalars["losses/bonus_tokens"][1] == float(count) and "losses/policy_loss" in scalars
+    assert measured == [1] and set(seen) == {1.5}
+    dumps_dir = tmp_path / "dumps"
+    ppo.main(
+        ppo.Args(
+            **flags,
+            num_steps=2,
+            resume=os.path.join(run_dir, "checkpoint"),
+            dump_dir=str(dumps_dir),
+            output_dir=str(tmp_path / "runs2"),
+        )
+    )
+    assert measured == [1] and set(seen) == {1.5}  # not measured again: the checkpoint's value
+    assert float(load_file(str(dumps_dir / "step000002.safetensors"))["gain"]) == 1.5

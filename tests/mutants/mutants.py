@@ -1075,8 +1075,8 @@ MUTANTS = [
         file="machinery/batches.py",
         tests=["tests/test_data_fields.py", "-k", "reaches"],
         what="the examples' other fields never reach the loss's batch",
-        find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
-        replace="return {key: value for key, value in batch.items() if key in inputs}",
+        find="batch.items() if key in names or key not in ROLLOUT_KEYS}",
+        replace="batch.items() if key in names}",
     ),
     dict(
         name="branch-resumes-in-the-source-folder",
