@@ -110,15 +110,8 @@ class Args(flags.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(
-    num_steps=500,
-    max_new_tokens=512,
-    learning_rate=1e-6,
-    scale_rewards="group",
-    beta=0.04,
-    bias_corrected_kl=False,
-    micro_batch_size=8,
-)
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, micro_batch_size=8)  # sizes and rate
+HUB_DEFAULTS.update(scale_rewards="group", beta=0.04, bias_corrected_kl=False)  # the paper's GRPO (departures 5-7)
 SCRIPT = "grpo"  # names its checkpoints, dumps and logs
 DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
 LOADERS = {"policy": models.load_causal_lm}  # what --resume builds each trained model's checkpoint into
@@ -168,6 +161,12 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     return advantages.view(-1)
+
+
+def setup_state(sample, models, args):
+    """State measured once before the first step, carried by the checkpoint and put in every batch (ppo.py's says
+    how; docs/fork.md): `sample()` draws a round of scored completions, `models` holds the models. GRPO has none."""
+    return {}
 
 
 def compute_advantages(batch, args):
@@ -285,6 +284,7 @@ def main(args, flags_given=()):
     lrs = {"policy": args.learning_rate}
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
+    setup = run.state["setup"] if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
@@ -305,7 +305,8 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_scores = dist.gather(scores)  # every process's scores (one process: `scores`), for the std and logs
-            b_rollout = dict(batches.batch_inputs(sampled), rewards=scores, old_logp=b_old_logp, ref_logp=b_ref_logp)
+            b_rollout = dict(batches.batch_inputs(sampled, setup), rewards=scores)  # with the setup state
+            b_rollout.update(old_logp=b_old_logp, ref_logp=b_ref_logp)
             # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
             tensors = dict(b_rollout, rewards=all_scores)
             advantages = compute_advantages(common.entry_batch("compute_advantages", tensors), args)
@@ -360,8 +361,9 @@ def main(args, flags_given=()):
         scheduler.step()  # after logging the rate this step's updates used
         common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
+            carried = dict(history=history, setup=setup)  # what the next step starts from
             checkpoints.save_checkpoint(
-                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, history=history
+                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, **carried
             )
         if stop.name:
             stop.exit(step, writer, SCRIPT)

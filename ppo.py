@@ -122,16 +122,9 @@ class Args(flags.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(
-    num_steps=500,
-    max_new_tokens=512,
-    learning_rate=1e-6,
-    critic_learning_rate=1e-5,
-    update_epochs=4,
-    num_minibatches=4,
-    kl_coef=0.05,
-    missing_eos_penalty=0.0,
-    micro_batch_size=8,
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, micro_batch_size=8)  # sizes and rate
+HUB_DEFAULTS.update(
+    critic_learning_rate=1e-5, update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0
 )
 # A dump keeps these of the last update's first micro-batch (the models have moved), and every minibatch's rows.
 SCRIPT = "ppo"  # names its checkpoints, dumps and logs

@@ -429,3 +429,25 @@ def test_a_short_run_learns(tmp_path):
     """60 steps on 1024 pairs: the held-out accuracy is far above a coin's (the default run reaches about 0.86)."""
     evaluation, _ = run(tmp_path, num_pairs=1024, num_steps=60, batch_size=64, micro_batch_size=64)
     assert evaluation["eval/accuracy"] > 0.7 and evaluation["eval/margin"] > 0.5
+
+
+def test_a_forks_added_loss_term_is_logged_by_its_name_and_bt_loss_stays_the_bradley_terry_term(tmp_path, monkeypatch):
+    """A fork adding a reward-centering term (Eisenstein et al.) in compute_loss only: losses/bt_loss is the
+    Bradley-Terry term alone (summed over the micro-batches), losses/centering the added one, not folded together."""
+    from test_loop_wiring import logged_scalars
+
+    plain, seen = reward_model.compute_loss, []
+
+    def compute_loss(outputs, batch, args):
+        loss, terms = plain(outputs, batch, args)
+        centering = 0.01 * (outputs["chosen"] + outputs["rejected"]).pow(2).sum() / batch["num_pairs"]
+        seen.append((terms["bt_loss"].item(), centering.item()))
+        return loss + centering, dict(terms, centering=centering.detach(), loss=(loss + centering).detach())
+
+    monkeypatch.setattr(reward_model, "compute_loss", compute_loss)
+    _, folder = run(tmp_path, num_steps=1)
+    scalars = logged_scalars(folder)
+    assert len(seen) == 2  # two micro-batches of 8 pairs
+    assert scalars["losses/bt_loss"][1] == pytest.approx(sum(bt for bt, _ in seen), rel=1e-6)
+    assert scalars["losses/centering"][1] == pytest.approx(sum(c for _, c in seen), rel=1e-6)
+    assert sum(c for _, c in seen) > 1e-4  # a term big enough that folding it into bt_loss would show

@@ -1134,4 +1134,29 @@ MUTANTS = [
         find='value.encode("utf-8")',
         replace='value.encode("utf-8", "surrogatepass")',
     ),
+    # ---------------------------------------------------------------------------------------- issue 52 (fork)
+    dict(
+        name="loss-term-count-weighed-out",
+        file="common.py",
+        tests=["tests/test_grpo.py", "-k", "forks_new_loss_terms"],
+        what="a loss term of no dimension (a count of hit tokens) is multiplied by its weight 0 and logged as 0",
+        find="value.double() * w if w > 0 else value.double()",
+        replace="value.double() * w",
+    ),
+    dict(
+        name="reward-model-total-logged-as-bt-loss",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "forks_added_loss_term"],
+        what="losses/bt_loss is the total loss, a fork's added term folded into the Bradley-Terry name",
+        find='losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])',
+        replace='losses = dict(common.logged_losses([updates]), bt_loss=b_loss, grad_norm=grad_norms["reward_model"])',
+    ),
+    dict(
+        name="setup-state-measured-again-on-resume",
+        file="ppo.py",
+        tests=["tests/test_ppo.py", "-k", "setup_state"],
+        what="a resumed run measures its setup state again instead of taking the checkpoint's",
+        find='setup = run.state["setup"] if args.resume else setup_state(',
+        replace="setup = setup_state(",
+    ),
 ]
