@@ -30,6 +30,7 @@ SHARE = re.compile(
     re.DOTALL,
 )
 FLAGS_PAGE, FLAGS_HEADING = "docs/flags.md", "# Every flag"
+RM_HEADING = "## reward_model.py"  # its own table: its flags are its own but for the run flags
 
 
 def read(path):
@@ -88,11 +89,11 @@ def table_rows(text, heading=FLAGS_HEADING):
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
-def documented_flags(text):
-    """{--flag: {"grpo": cell, "ppo": cell}} of the flag table."""
+def documented_flags(text, heading=FLAGS_HEADING, columns=("grpo", "ppo")):
+    """{--flag: {"grpo": cell, "ppo": cell}} of the flag table (`columns`: the scripts of the table under `heading`)."""
     rows = {}
-    for cells in table_rows(text):
-        rows[re.match(r"`(--[\w-]+)", cells[0]).group(1)] = dict(grpo=cells[1], ppo=cells[2])
+    for cells in table_rows(text, heading):
+        rows[re.match(r"`(--[\w-]+)", cells[0]).group(1)] = dict(zip(columns, cells[1:]))
     return rows
 
 
@@ -140,6 +141,20 @@ def scripts():
     return {"grpo": grpo, "ppo": ppo}
 
 
+def tables():
+    """Each table of docs/flags.md: its heading and the scripts whose defaults are its columns."""
+    import reward_model
+
+    return [(FLAGS_HEADING, scripts()), (RM_HEADING, {"reward_model": reward_model})]
+
+
+def add_rows(page, heading, rows):
+    """The page with `rows` after the last row of the table under `heading`."""
+    last = [line for line in page.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0].splitlines()]
+    last = [line for line in last if line.startswith("|")][-1]
+    return page.replace(last + "\n", last + "\n" + "\n".join(rows) + "\n", 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit status 1 when the docs are behind the code")
@@ -148,9 +163,13 @@ def main():
     readme, page = read("README.md"), read(FLAGS_PAGE)
     stated, measured = readme_shares(readme), shares()
     print(f"diff grpo.py ppo.py marks {measured[0]} of {measured[1]} lines ({measured[2]}%), main {measured[3]}%")
-    code, meanings = code_flags(scripts())
-    documented = documented_flags(page)
-    problems = wrong_rows(documented, code) + missing_rows(documented, code)
+    problems, new = [], {}
+    for heading, modules in tables():
+        code, meanings = code_flags(modules)
+        documented = documented_flags(page, heading, tuple(modules))
+        problems += wrong_rows(documented, code) + missing_rows(documented, code)
+        cells = lambda flag: " | ".join(code[flag][name] for name in modules)  # noqa: B023
+        new[heading] = [f"| `{flag}` | {cells(flag)} | {meanings[flag]} |" for flag in code if flag not in documented]
     if stated != measured:
         problems.append(
             f"README.md states {stated}: the code's are {measured} (marked, lines, percent, main's percent)"
@@ -162,14 +181,11 @@ def main():
             lambda m: "".join((m[1], str(marked), m[3], str(total), m[5], str(share), m[7], str(main))), readme
         )
         open(os.path.join(ROOT, "README.md"), "w", encoding="utf-8").write(readme)
-        new = [f"| `{flag}` | {code[flag]['grpo']} | {code[flag]['ppo']} | {meanings[flag]} |" for flag in code]
-        new = [row for row, flag in zip(new, code) if flag not in documented]
-        if new:  # after the table's last row
-            last = [line for line in page.split(f"\n{FLAGS_HEADING}\n", 1)[1].split("\n#", 1)[0].splitlines()]
-            last = [line for line in last if line.startswith("|")][-1]
-            page = page.replace(last + "\n", last + "\n" + "\n".join(new) + "\n", 1)
-            open(os.path.join(ROOT, FLAGS_PAGE), "w", encoding="utf-8").write(page)
-        print(f"wrote README.md's figures and {len(new)} new rows of {FLAGS_PAGE} (each meaning: its --help)")
+        for heading, rows in new.items():
+            page = add_rows(page, heading, rows) if rows else page
+        open(os.path.join(ROOT, FLAGS_PAGE), "w", encoding="utf-8").write(page)
+        count = sum(map(len, new.values()))
+        print(f"wrote README.md's figures and {count} new rows of {FLAGS_PAGE} (each meaning: its --help)")
     elif options.check and problems:
         sys.exit(1)
 

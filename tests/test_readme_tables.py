@@ -55,6 +55,18 @@ def test_each_row_of_the_flag_table_is_a_flag_with_its_default():
     assert not wrong, "\n".join(wrong)
 
 
+def test_each_row_of_reward_model_flag_table_is_one_of_its_flags_with_its_default():
+    """docs/flags.md's second table, reward_model.py's flags, as the first: no stale row, no wrong default, read."""
+    import reward_model
+
+    code, _ = doc_figures.code_flags({"reward_model": reward_model})
+    page = open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8").read()
+    documented = doc_figures.documented_flags(page, doc_figures.RM_HEADING, ("reward_model",))
+    assert len(documented) > 20 and documented["--num-pairs"] == {"reward_model": "6144 (hub 2048)"}
+    assert not doc_figures.wrong_rows(documented, code)
+    assert "--group-size" not in documented and "--label-beta" not in doc_figures.documented_flags(page)
+
+
 def test_a_forks_new_flag_is_missing_from_the_table_not_wrong_in_it():
     """What a fork of grpo.py that adds a field meets: the table check passes, the release check names the row."""
 
