@@ -40,7 +40,7 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     task's reward on their tokens (score_tokens: an outcome score at the last token, a dense reward where earned).
 
     Returns a batch dict (concat_batches joins two, select_rows picks rows): prompts, answers, completions [N] and
-    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums),
+    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], scores [N] (sums),
     and each other field of the examples (a JSONL line's `margin`: example_fields), one entry a completion.
     """
     prompts = [ex["prompt"] for ex in examples for _ in range(per_prompt)]
@@ -62,7 +62,7 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         token_scores=token_scores,
-        rewards=token_scores.sum(1),
+        scores=token_scores.sum(1),  # the completion's score: a dense reward counts as its sum
         **batches.example_fields(examples, per_prompt),
     )
 
@@ -73,7 +73,7 @@ def print_samples(step, batch, per_prompt, every, count=3):
         for i in range(0, min(len(batch["prompts"]), count * per_prompt), per_prompt):
             tqdm.write(
                 f"step {step} | {batch['prompts'][i]!r} -> {batch['completions'][i]!r} "
-                f"| score {batch['rewards'][i].item():.2f}"
+                f"| score {batch['scores'][i].item():.2f}"
             )
 
 

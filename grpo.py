@@ -133,11 +133,11 @@ def dynamic_sampling(sample, args, stopped=lambda: False):
     Returns the batch and the number of rounds sampled."""
     batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
     while rounds < args.max_sampling_rounds and not stopped():
-        found = int(informative_groups(batch["rewards"], args.group_size).sum())
+        found = int(informative_groups(batch["scores"], args.group_size).sum())
         if not dist.any(found < n_groups):  # no process lacks some
             break
         batch, rounds = batches.concat_batches(batch, sample()), rounds + 1
-    informative = informative_groups(batch["rewards"], args.group_size)  # [groups]
+    informative = informative_groups(batch["scores"], args.group_size)  # [groups]
     groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
     rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
     return common.select_rows(batch, rows), rounds
@@ -295,7 +295,7 @@ def main(args, flags_given=()):
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
             sampled, rounds = dynamic_sampling(sample, args, stop.requested) if args.dynamic_sampling else (sample(), 1)
-            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
+            scores, b_mask = sampled["scores"], sampled["completion_mask"]  # [N], [N, T]
             inputs = batches.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
             N, num_tokens = len(scores), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
@@ -305,7 +305,7 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_scores = dist.gather(scores)  # every process's scores (one process: `scores`), for the std and logs
-            b_rollout = dict(batches.batch_inputs(sampled, setup), rewards=scores)  # with the setup state
+            b_rollout = dict(batches.batch_inputs(sampled, setup), rewards=scores)  # GRPO's reward is the score
             b_rollout.update(old_logp=b_old_logp, ref_logp=b_ref_logp)
             # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
             tensors = dict(b_rollout, rewards=all_scores)

@@ -344,7 +344,7 @@ def main(args, flags_given=()):
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
             sampled = sample()
-            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
+            scores, b_mask = sampled["scores"], sampled["completion_mask"]  # [N], [N, T]
             inputs = batches.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
             N = len(scores)
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update

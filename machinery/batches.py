@@ -35,10 +35,20 @@ class PromptSampler:
 
 
 ROLLOUT_KEYS = ("prompts", "answers", "completions", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-ROLLOUT_KEYS += ("token_scores", "rewards")  # what rollout computes; the rest of its batch is the examples' fields
+ROLLOUT_KEYS += ("token_scores", "scores")  # what rollout computes; the rest of its batch is the examples' fields
 # The names a step's batch or dump gives its own tensors: an example's field may not take one.
-BATCH_NAMES = (*ROLLOUT_KEYS, "scores", "values", "old_logp", "ref_logp", "advantages", "returns", "eos_ids", "kl_coef")
-BATCH_NAMES += ("num_seqs", "num_tokens", "new_logp", "new_values", "entropy", "per_token_loss", "loss", "minibatches")
+BATCH_NAMES = (*ROLLOUT_KEYS, "rewards", "values", "old_logp", "ref_logp", "advantages", "returns", "eos_ids")
+BATCH_NAMES += (
+    "kl_coef",
+    "num_seqs",
+    "num_tokens",
+    "new_logp",
+    "new_values",
+    "entropy",
+    "per_token_loss",
+    "loss",
+    "minibatches",
+)
 
 
 def example_fields(examples, per_prompt):

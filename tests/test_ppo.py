@@ -308,7 +308,7 @@ def test_a_forks_setup_state_is_measured_once_carried_on_resume_and_its_loss_ter
     plain_loss = ppo.compute_loss
 
     def setup_state(sample, models, args):
-        assert set(models) == {"policy", "critic", "reference"} and sample()["rewards"].shape == (8,)
+        assert set(models) == {"policy", "critic", "reference"} and sample()["scores"].shape == (8,)
         measured.append(1)
         return {"gain": torch.tensor(0.5 + len(measured))}  # 1.5 at the first measure, 2.5 at a second
 

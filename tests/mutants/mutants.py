@@ -661,8 +661,8 @@ MUTANTS = [
         file="grpo.py",
         tests=DYNAMIC,
         what="dynamic sampling judges groups of prompts_per_step rows, not group_size, as informative",
-        find='informative = informative_groups(batch["rewards"], args.group_size)  # [groups]',
-        replace='informative = informative_groups(batch["rewards"], args.prompts_per_step)  # [groups]',
+        find='informative = informative_groups(batch["scores"], args.group_size)  # [groups]',
+        replace='informative = informative_groups(batch["scores"], args.prompts_per_step)  # [groups]',
     ),
     dict(
         name="grpo-dynamic-count-from-group-size",
