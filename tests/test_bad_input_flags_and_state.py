@@ -198,12 +198,12 @@ def test_principle1_dynamic_sampling_stops_between_rounds_on_a_signal():
     says a signal came; either way the batch is one step's (prompts_per_step groups)."""
     args = grpo.Args(prompts_per_step=2, group_size=2, dynamic_sampling=True, max_sampling_rounds=100)
     calls = []
-    sample = lambda: calls.append(1) or dict(rewards=torch.ones(4), completion_mask=torch.ones(4, 3))
+    sample = lambda: calls.append(1) or dict(scores=torch.ones(4), completion_mask=torch.ones(4, 3))
     batch, rounds = grpo.dynamic_sampling(sample, args)
-    assert rounds == len(calls) == 100 and len(batch["rewards"]) == 4
+    assert rounds == len(calls) == 100 and len(batch["scores"]) == 4
     calls.clear()
     batch, rounds = grpo.dynamic_sampling(sample, args, stopped=lambda: len(calls) >= 3)
-    assert rounds == len(calls) == 3 and len(batch["rewards"]) == 4
+    assert rounds == len(calls) == 3 and len(batch["scores"]) == 4
 
 
 # ---------------------------------------------------------------------------------------------------
