@@ -343,3 +343,14 @@ def test_a_forks_setup_state_is_measured_once_carried_on_resume_and_its_loss_ter
     )
     assert measured == [1] and set(seen) == {1.5}  # not measured again: the checkpoint's value
     assert float(load_file(str(dumps_dir / "step000002.safetensors"))["gain"]) == 1.5
+
+
+def test_a_setup_state_name_the_batch_uses_is_refused_in_one_line():
+    from machinery import batches
+    from machinery.errors import UsageError
+
+    sampled = dict(completion_mask=torch.ones(2, 3), scores=torch.ones(2), margin=torch.ones(2))
+    assert batches.batch_inputs(sampled, {"gain": torch.tensor(2.0)})["gain"] == 2.0
+    for name in ("kl_coef", "margin", "advantages"):  # a batch name, an example's field, a computed one
+        with pytest.raises(UsageError, match=f"setup_state's '{name}' is a name the batch uses for its own: rename it"):
+            batches.batch_inputs(sampled, {name: torch.tensor(2.0)})
