@@ -333,7 +333,7 @@ def main(args, flags_given=()):
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef
-    setup = run.state["setup"] if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
+    setup = run.state.get("setup", {}) if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)

@@ -1156,7 +1156,7 @@ MUTANTS = [
         file="ppo.py",
         tests=["tests/test_ppo.py", "-k", "setup_state"],
         what="a resumed run measures its setup state again instead of taking the checkpoint's",
-        find='setup = run.state["setup"] if args.resume else setup_state(',
+        find='setup = run.state.get("setup", {}) if args.resume else setup_state(',
         replace="setup = setup_state(",
     ),
 ]
