@@ -1,104 +1,25 @@
 """What grpo.py and ppo.py both call in a step: the one file to read beside either of them.
 
-Drawing prompts (PromptSampler), sampling completions from the policy in one batched call (generate), the
-per-token log-probs of those completions (token_logprobs), the mean over real tokens (masked_mean), and the
-logged statistics of an update (approx_kl, clip_fraction, explained_variance). Nothing here is specific to one
-algorithm: the advantage, the loss and the update are in grpo.py and ppo.py. Loading models is in
+Drawing prompts (PromptSampler), a step's sampled and scored completions (rollout; the batched generate() is in
+machinery/generation.py), the per-token log-probs of those completions (token_logprobs), the mean over real tokens
+(masked_mean), the batch each entry point receives (entry_batch), and the logged statistics of an update (approx_kl,
+clip_fraction, explained_variance, logged_losses). Nothing here is specific to one algorithm: the advantage, the loss
+and the update are in grpo.py and ppo.py. The batch's plumbing is in machinery/batches.py, loading models in
 machinery/models.py, tasks in tasks/__init__.py, the flags in machinery/flags.py, the run's logs in
 machinery/bookkeeping.py, its checkpoints in machinery/checkpoints.py and its dumps and guards in machinery/dumps.py.
 """
-
-import random
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from machinery import batches, generation, output_head, precision, prompt_cache, scoring
 from machinery import distributed as dist
-from machinery import models, output_head, precision, prompt_cache, scoring
-from machinery.errors import UsageError
 from machinery.models import position_ids_from_mask  # positions over real tokens: left padding shifts none
 
-
-class PromptSampler:
-    """Endless shuffled passes over the training examples, with its own seeded RNG (so resumable)."""
-
-    def __init__(self, examples, seed):
-        self.examples, self.rng, self.order = examples, random.Random(seed), []
-
-    def sample(self, n):
-        batch = []
-        while len(batch) < n:
-            if not self.order:
-                self.order = list(range(len(self.examples)))
-                self.rng.shuffle(self.order)
-            batch.append(self.examples[self.order.pop()])
-        return batch
-
-    def state_dict(self):
-        return {"rng": self.rng.getstate(), "order": list(self.order)}
-
-    def load_state_dict(self, state):
-        self.rng.setstate(state["rng"])
-        self.order = list(state["order"])
-
-
 # ---------------------------------------------------------------------------------------------------
-# Sampling completions: left-padded prompts, one batched generate() with a KV cache.
+# A step's completions: this process's prompts, sampled by machinery/generation.py, and scored.
 # ---------------------------------------------------------------------------------------------------
-
-
-def encode_prompts(tokenizer, prompts, chat_template=True):
-    """Tokenise prompts, left-padded; as a user turn of the tokenizer's chat template when it has one (with the
-    system prompt given to models.load_tokenizer). Each distinct prompt is tokenised once (a group repeats one)."""
-    row_of = {}
-    rows = torch.tensor([row_of.setdefault(prompt, len(row_of)) for prompt in prompts], dtype=torch.long)
-    distinct = list(row_of)
-    if chat_template and tokenizer.chat_template:
-        texts = models.chat_texts(tokenizer, distinct)
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
-    else:
-        enc = tokenizer(distinct, return_tensors="pt", padding=True)
-    return {key: value[rows] for key, value in enc.items()}  # [B, P] each
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False, chat_template=True):
-    """Sample one completion per prompt string, in one batched call with left padding and a KV cache.
-
-    Returns prompt_ids, prompt_mask [B, P] and completion_ids, completion_mask [B, T]; the mask is 0
-    after each row's first EOS.
-    """
-    from transformers import GenerationConfig
-
-    enc = encode_prompts(tokenizer, prompts, chat_template)
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    # transformers samples from the top 50 by default; the log-probs assume the full distribution.
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-        **sampling,
-    )
-    # generate() fills every field we leave unset from model.generation_config (a chat model's repetition
-    # penalty, top-p, ...), which would sample from another distribution than the log-probs compute: hide it.
-    model_config, model.generation_config = model.generation_config, GenerationConfig()
-    try:
-        with precision.generation_mode(model), precision.decoding_attention(model, prompt_ids, max_new_tokens):
-            # A prompt repeated for a group is computed once (machinery/prompt_cache.py); generate() continues from
-            # its cache.
-            cache = prompt_cache.shared_prompt_cache(
-                model, prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask), prompt_ids.shape[1]
-            )
-            shared = {prompt_cache.cache_argument(model): cache} if cache is not None else {}
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **shared)
-    finally:
-        model.generation_config = model_config
-    completion_ids = out[:, prompt_ids.shape[1] :]
-    return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, eos_ids)
 
 
 def sample_round(sampler, policy, tokenizer, scorer, per_prompt, args, device, dtype, eos_ids):
@@ -119,16 +40,16 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
     task's reward on their tokens (score_tokens: an outcome score at the last token, a dense reward where earned).
 
     Returns a batch dict (concat_batches joins two, select_rows picks rows): prompts, answers, completions [N] and
-    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], rewards [N] (sums),
+    prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T], token_scores [N, T], scores [N] (sums),
     and each other field of the examples (a JSONL line's `margin`: example_fields), one entry a completion.
     """
     prompts = [ex["prompt"] for ex in examples for _ in range(per_prompt)]
     answers = [ex["answer"] for ex in examples for _ in range(per_prompt)]
     with autocast(device, dtype), dist.full_weights(policy):  # under torchrun: whole for generate()
-        prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
+        prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
             policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids, chat_template=args.chat_template
         )
-    completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+    completions = generation.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
     token_scores = scoring.score_tokens(
         scorer, tokenizer, prompts, completions, answers, completion_ids, completion_mask
     )
@@ -141,32 +62,9 @@ def rollout(policy, tokenizer, scorer, examples, per_prompt, args, device, dtype
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         token_scores=token_scores,
-        rewards=token_scores.sum(1),
-        **example_fields(examples, per_prompt),
+        scores=token_scores.sum(1),  # the completion's score: a dense reward counts as its sum
+        **batches.example_fields(examples, per_prompt),
     )
-
-
-ROLLOUT_KEYS = ("prompts", "answers", "completions", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-ROLLOUT_KEYS += ("token_scores", "rewards")  # what rollout computes; the rest of its batch is the examples' fields
-# The names a step's batch or dump gives its own tensors: an example's field may not take one.
-BATCH_NAMES = (*ROLLOUT_KEYS, "scores", "values", "old_logp", "ref_logp", "advantages", "returns", "eos_ids", "kl_coef")
-BATCH_NAMES += ("num_seqs", "num_tokens", "new_logp", "new_values", "entropy", "per_token_loss", "loss", "minibatches")
-
-
-def example_fields(examples, per_prompt):
-    """The examples' fields besides prompt and answer (tasks/user.other_fields: a `margin`, a `difficulty`), each
-    repeated for the `per_prompt` completions of its prompt: a tensor [N] when every value is a number (int64, or
-    float32 with any float among them; a bool: bool), else a list [N] (None where an example lacks the field)."""
-    names = sorted({key for example in examples for key in example} - {"prompt", "answer"})
-    taken = [name for name in names if name in BATCH_NAMES or name.startswith("micro")]
-    if taken:
-        raise UsageError(f"the examples' field {taken[0]!r} is a name the batch uses for its own: rename it")
-    fields = {}
-    for name in names:
-        values = [example.get(name) for example in examples for _ in range(per_prompt)]
-        numbers = all(isinstance(v, (int, float)) for v in values) and len({type(v) is bool for v in values}) == 1
-        fields[name] = torch.as_tensor(values) if numbers and all(abs(v) < 2**63 for v in values) else values
-    return fields
 
 
 def print_samples(step, batch, per_prompt, every, count=3):
@@ -175,53 +73,8 @@ def print_samples(step, batch, per_prompt, every, count=3):
         for i in range(0, min(len(batch["prompts"]), count * per_prompt), per_prompt):
             tqdm.write(
                 f"step {step} | {batch['prompts'][i]!r} -> {batch['completions'][i]!r} "
-                f"| score {batch['rewards'][i].item():.2f}"
+                f"| score {batch['scores'][i].item():.2f}"
             )
-
-
-def concat_batches(a, b):
-    """Two rollout batches as one, rows of `a` then `b`: prompts stay left-padded and completions right-padded
-    to the wider of the two (pad id 0, mask 0: every pad position is masked out). Lists are joined, [N] tensors
-    concatenated."""
-    joined = {}
-    for key, x in a.items():
-        y = b[key]
-        if not torch.is_tensor(x):
-            joined[key] = x + y
-            continue
-        if x.dim() == 2:  # [N, width]: pad the narrower one, on the left for prompts
-            width, left = max(x.shape[1], y.shape[1]), key.startswith("prompt")
-            pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))
-            x, y = pad(x), pad(y)
-        joined[key] = torch.cat([x, y])
-    return joined
-
-
-def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids):
-    """Completion texts as the model wrote them, cut before the first EOS.
-
-    Nothing else is dropped: a pad, <unk> or any other special token sampled mid-completion is in the
-    text (skip_special_tokens would hide it from the reward, and a policy learns to pad with it).
-    """
-    texts = []
-    for ids, length in zip(completion_ids.tolist(), completion_mask.sum(1).tolist()):
-        ids = ids[:length]
-        if ids and ids[-1] in eos_ids:
-            ids = ids[:-1]
-        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
-    return texts
-
-
-def mask_after_eos(completion_ids, eos_ids):
-    """[B, T] mask that is 1 up to and including each row's first EOS, 0 after it.
-
-    Compares against the EOS ids, never the pad id: many tokenizers set pad = EOS.
-    A row with no EOS keeps every token.
-    """
-    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device))
-    T = completion_ids.shape[1]
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,83 +294,68 @@ def explained_variance(values, returns, mask, mean=masked_mean):
     return 1 - var_residual / var_returns.clamp(min=1e-8)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Greedy evaluation on the held-out split (--eval-every).
-# ---------------------------------------------------------------------------------------------------
+# The loss's terms that are its inputs or outputs, not statistics (the dumps and verify read them), and those logged
+# under another name; every other term a loss returns is logged under its own (logged_losses).
+NOT_LOGGED = ("new_logp", "old_logp", "new_values", "old_values", "advantages", "returns", "mask", "per_token_loss")
+NOT_LOGGED += ("loss", "logratio", "micro_index", "minibatch_index", "margin")
+RENAMED = dict(pg_loss="policy_loss", v_loss="value_loss", clipped="clipfrac", value_clipped="clipfrac_value")
 
 
 @torch.no_grad()
 def logged_losses(updates):
-    """The losses/ scalars of one step (docs/logs.md), from the per-token terms the update gathered.
+    """The losses/ scalars of one step (docs/logs.md), from the terms each micro-batch's loss returned: every term but
+    NOT_LOGGED, under its own name (RENAMED: pg_loss is policy_loss), and approx_kl from the logratio.
 
-    updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy).
-    Each statistic is a token mean over its update's batch (a micro-batch weighs its share of the update's real
-    tokens; under torchrun, over every process's micro-batches), averaged over the step's updates.
+    updates: per optimizer step, the terms of each micro-batch (grpo_loss's or ppo_loss's, with the entropy). A term
+    [n, T] is a token mean over its update's batch (a micro-batch weighs its share of the update's real tokens), one
+    [n] a mean over its completions, one of no dimension (a count, a share of the loss) a sum over its micro-batches;
+    under torchrun over every process's; each averaged over the step's updates.
     """
-    names, sums = None, []  # per update: each statistic times tokens, summed over micro-batches; then the tokens
+    names, sums = None, []  # per update: each statistic's sum and its weight, summed over micro-batches
     for micro_terms in updates:
         update = 0
         for terms in micro_terms:
-            means = token_means(terms)
-            names = list(means)
-            tokens = terms["mask"].sum().double()
-            update = update + torch.stack([value.double() * tokens for value in means.values()] + [tokens])
+            stats = loss_statistics(terms)
+            names = list(stats)
+            update = update + torch.stack(
+                [torch.stack([value.double() * w if w > 0 else value.double(), w]) for value, w in stats.values()]
+            )
         sums.append(update)
-    sums = dist.sum(torch.stack(sums))  # [updates, statistics + 1]
-    means = sums[:, :-1] / sums[:, -1:].clamp(min=1)
+    sums = dist.sum(torch.stack(sums))  # [updates, statistics, 2]
+    means = sums[..., 0] / sums[..., 1].clamp(min=1)
     return {name: value.item() for name, value in zip(names, means.mean(0))}
 
 
-def token_means(terms):
-    """One micro-batch's statistics, means over its real tokens, each from the loss's own terms (a variant's loss
-    says what it clipped): the clipped surrogate's, GRPO's KL term, PPO's critic."""
-    mask = terms["mask"]
-    means = dict(policy_loss=masked_mean(terms["pg_loss"], mask), approx_kl=approx_kl(terms["logratio"], mask))
-    if "clipped" in terms:  # the tokens the loss clipped: a loss without a clip logs no clipfrac
-        means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)
-    means["entropy"] = masked_mean(terms["entropy"], mask)
-    if "kl_ref" in terms:
-        means["kl_ref"] = masked_mean(terms["kl_ref"], mask)
-    if "v_loss" in terms:
-        means["value_loss"] = masked_mean(terms["v_loss"], mask)
-    if "value_clipped" in terms:
-        means["clipfrac_value"] = masked_mean(terms["value_clipped"].float(), mask)
-    return means
-
-
-def model_inputs(batch):
-    """(input_ids, attention_mask [N, P + T], completion_mask [N, T]) of a sampled batch: what token_logprobs and PPO's
-    critic read, prompt (left-padded) then completion. A micro-batch's: `[x[rows] for x in inputs]`."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_mask"]
-
-
-def shuffled_minibatches(n, epochs, num_minibatches, device):
-    """PPO's minibatches: `epochs` passes over rows 0..n-1, each in a fresh random order (torch's generator, drawn as
-    each pass begins) cut into `num_minibatches` index tensors."""
-    for _ in range(epochs):
-        yield from torch.randperm(n, device=device).split(n // num_minibatches)
-
-
-def in_micro_batches(fn, model, inputs, size, *extra):
-    """fn(model, *a micro-batch's inputs, *extra) over consecutive micro-batches of `size` rows, concatenated: a
-    rollout's passes without gradient (old and reference log-probs, PPO's values), at a micro-batch's memory."""
-    starts = range(0, len(inputs[0]), size)
-    return torch.cat([fn(model, *(x[i : i + size] for x in inputs), *extra) for i in starts])
+def loss_statistics(terms):
+    """One micro-batch's statistics, (value, weight) by logged name, from the loss's own terms (a variant's loss says
+    what it clipped): a mean over its real tokens weighs its tokens, over its rows their number, and a term of no
+    dimension is summed (weight 0: divided by 1). reward_model.py's terms have no mask, and no per-token term."""
+    mask = terms.get("mask")
+    tokens = None if mask is None else mask.sum().double()
+    stats = {"approx_kl": (approx_kl(terms["logratio"], mask), tokens)} if "logratio" in terms else {}
+    for key, value in terms.items():
+        if key in NOT_LOGGED or not torch.is_tensor(value):
+            continue
+        value = value.float() if value.dtype == torch.bool else value  # a mask of tokens: the share it holds
+        one = torch.ones((), dtype=torch.float64, device=value.device)
+        if mask is not None and value.shape == mask.shape:
+            stats[RENAMED.get(key, key)] = (masked_mean(value, mask), tokens)
+        elif value.dim() == 1:
+            stats[key] = (value.mean(), one * len(value))
+        elif value.dim() == 0:
+            stats[key] = (value, one * 0)
+    return stats
 
 
 def rollout_logprobs(model, inputs, args):
     """The per-token log-probs [N, T] of a sampled batch's completions under `model`, by micro-batches (the caller
     holds torch.no_grad and autocast): the old policy's or the reference's, computed once a step."""
-    return in_micro_batches(token_logprobs, model, inputs, args.micro_batch_size, args.temperature)
+    return batches.in_micro_batches(token_logprobs, model, inputs, args.micro_batch_size, args.temperature)
 
 
-def batch_inputs(batch):
-    """What the algorithm reads of a sampled batch beside its rewards: the token ids and masks a model reads
-    (prompt_ids, prompt_mask [N, P], completion_ids, completion_mask [N, T]) and the examples' other fields [N]
-    (a `margin`: example_fields), so they reach the loss's batch and the dumps."""
-    inputs = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}
+# ---------------------------------------------------------------------------------------------------
+# Greedy evaluation on the held-out split (--eval-every).
+# ---------------------------------------------------------------------------------------------------
 
 
 def evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype):
@@ -533,10 +371,10 @@ def evaluate(model, tokenizer, task, max_new_tokens, eos_ids, chat_template, num
     for i in range(0, len(examples), batch_size):
         batch = examples[i : i + batch_size]
         prompts, answers = [ex["prompt"] for ex in batch], [ex["answer"] for ex in batch]
-        _, _, completion_ids, completion_mask = generate(
+        _, _, completion_ids, completion_mask = generation.generate(
             model, tokenizer, prompts, max_new_tokens, 1.0, eos_ids, greedy=True, chat_template=chat_template
         )
-        completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+        completions = generation.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         placed = scoring.score_tokens(task, tokenizer, prompts, completions, answers, completion_ids, completion_mask)
         rewards += placed.sum(1).tolist()  # a dense reward counts as its total
     # 1e-6: a dense reward's float32 total of a right answer can fall just short of 1 (3 x 1/3)

@@ -36,9 +36,10 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, startup
+from machinery import batches, bookkeeping, checkpoints, dumps, flags, lora, models, startup
 from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
-from machinery.errors import UsageError
+from machinery.flag_checks import check_grpo_args
+from machinery.tiny_model import TINY_MODEL
 from tasks import load_task
 
 
@@ -52,7 +53,7 @@ class Args(flags.RunArgs):
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
-    model: str = models.TINY_MODEL
+    model: str = TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
     """task to train on (see tasks/__init__.py)"""
@@ -87,7 +88,7 @@ class Args(flags.RunArgs):
     group_size: int = 8
     """completions per prompt (G), the group the advantage is standardised over"""
     num_iterations: int = 1
-    """optimizer steps on each batch (mu in the paper)"""
+    """optimizer steps on each batch (mu in the paper); at 1 every ratio is 1: GMPO-like variants are no-ops"""
     beta: float = 0.08
     """coefficient of the k3 KL term to the reference; 0 loads no reference model"""
     scale_rewards: Literal["group", "batch", "none"] = "batch"
@@ -109,33 +110,13 @@ class Args(flags.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(
-    num_steps=500,
-    max_new_tokens=512,
-    learning_rate=1e-6,
-    scale_rewards="group",
-    beta=0.04,
-    bias_corrected_kl=False,
-    micro_batch_size=8,
-)
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, micro_batch_size=8)  # sizes and rate
+HUB_DEFAULTS.update(scale_rewards="group", beta=0.04, bias_corrected_kl=False)  # the paper's GRPO (departures 5-7)
 SCRIPT = "grpo"  # names its checkpoints, dumps and logs
 DUMPED = ("old_logp", "new_logp", "per_token_loss")  # what a dump keeps of the last iteration, beside the rollout
 LOADERS = {"policy": models.load_causal_lm}  # what --resume builds each trained model's checkpoint into
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")  # --loss-agg, aggregate_loss
-
-
-def check_args(args):
-    flags.check_run_args(args)
-    if args.group_size < 2:
-        raise UsageError(f"--group-size is {args.group_size}: GRPO needs at least 2 completions per prompt")
-    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
-    flags.check_positive(args, "num_iterations", "max_sampling_rounds")
-    flags.check_range(args, ">= 0", "beta")
-    flags.check_range(args, "> 0", "adv_eps")
-    scaled, dynamic = args.scale_rewards != "none", args.dynamic_sampling
-    flags.check_acts(args, "adv_eps", scaled, "when a std divides the advantages", "pass --scale-rewards group")
-    flags.check_acts(args, "max_sampling_rounds", dynamic, "with --dynamic-sampling", "add --dynamic-sampling")
-    dist.check_launch(args, args.group_size, "--group-size")  # under torchrun: whole groups on every process
+check_args = check_grpo_args  # each flag's range, and what it needs to act (machinery/flag_checks.py)
 
 
 def informative_groups(rewards, group_size):
@@ -152,11 +133,11 @@ def dynamic_sampling(sample, args, stopped=lambda: False):
     Returns the batch and the number of rounds sampled."""
     batch, n_groups, rounds = sample(), args.prompts_per_step // dist.world_size(), 1
     while rounds < args.max_sampling_rounds and not stopped():
-        found = int(informative_groups(batch["rewards"], args.group_size).sum())
+        found = int(informative_groups(batch["scores"], args.group_size).sum())
         if not dist.any(found < n_groups):  # no process lacks some
             break
-        batch, rounds = common.concat_batches(batch, sample()), rounds + 1
-    informative = informative_groups(batch["rewards"], args.group_size)  # [groups]
+        batch, rounds = batches.concat_batches(batch, sample()), rounds + 1
+    informative = informative_groups(batch["scores"], args.group_size)  # [groups]
     groups = torch.cat([informative.nonzero()[:, 0], (~informative).nonzero()[:, 0]])[:n_groups]  # informative first
     rows = (groups[:, None] * args.group_size + torch.arange(args.group_size)).view(-1)  # [N]
     return common.select_rows(batch, rows), rounds
@@ -180,6 +161,12 @@ def group_advantages(rewards, group_size, scale, eps=1e-4):
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     return advantages.view(-1)
+
+
+def setup_state(sample, models, args):
+    """State measured once before the first step, carried by the checkpoint and put in every batch (ppo.py's says
+    how; docs/fork.md): `sample()` draws a round of scored completions, `models` holds the models. GRPO has none."""
+    return {}
 
 
 def compute_advantages(batch, args):
@@ -288,7 +275,7 @@ def main(args, flags_given=()):
     # same autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.beta > 0 else None
     scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
-    sampler = common.PromptSampler(task.train, args.seed)
+    sampler = batches.PromptSampler(task.train, args.seed)
     # DISTRIBUTED (torchrun): each process holds a shard of each model; the rest reads as on one.
     policy, ref_model = dist.shard(policy, ref_model)
     sample = functools.partial(  # ROLLOUT's one round: this process's prompts and their completions
@@ -297,6 +284,7 @@ def main(args, flags_given=()):
     lrs = {"policy": args.learning_rate}
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
+    setup = run.state.get("setup", {}) if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
@@ -307,8 +295,8 @@ def main(args, flags_given=()):
         # ROLLOUT: G completions for each prompt, laid out group by group (under torchrun: this process's prompts).
         with timer("rollout"):
             sampled, rounds = dynamic_sampling(sample, args, stop.requested) if args.dynamic_sampling else (sample(), 1)
-            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
-            inputs = common.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
+            scores, b_mask = sampled["scores"], sampled["completion_mask"]  # [N], [N, T]
+            inputs = batches.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
             N, num_tokens = len(scores), dist.sum(int(b_mask.sum()))  # num_tokens: of every process's batch
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
                 # mu > 1: the policy moves between iterations, so freeze the sampling policy's log-probs now.
@@ -317,7 +305,8 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: the advantage is the reward standardised within its group, shared by all its tokens.
             all_scores = dist.gather(scores)  # every process's scores (one process: `scores`), for the std and logs
-            b_rollout = dict(common.batch_inputs(sampled), rewards=scores, old_logp=b_old_logp, ref_logp=b_ref_logp)
+            b_rollout = dict(batches.batch_inputs(sampled, setup), rewards=scores)  # GRPO's reward is the score
+            b_rollout.update(old_logp=b_old_logp, ref_logp=b_ref_logp)
             # Each entry point gets its batch from common.entry_batch, as verify gives it (all processes' rewards).
             tensors = dict(b_rollout, rewards=all_scores)
             advantages = compute_advantages(common.entry_batch("compute_advantages", tensors), args)
@@ -352,10 +341,7 @@ def main(args, flags_given=()):
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
-        history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))
-        lengths = dist.gather(b_mask.sum(1).float())
-        history["score"].append(all_scores.mean().item())  # GRPO's reward is the task score: its KL is in the loss
-        history["length"].append(lengths.mean().item())
+        lengths = bookkeeping.record(history, sampled, all_scores, pbar)  # the score: GRPO's reward (KL: in the loss)
         groups = all_scores.view(-1, args.group_size)  # [prompts, G]
         baseline = groups.mean(1).repeat_interleave(args.group_size)  # the group mean, [N]
         scalars = {
@@ -373,11 +359,11 @@ def main(args, flags_given=()):
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
-        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.group_size, args.sample_every)
         if stop.requested() or (args.save_every and step % args.save_every == 0):
+            carried = dict(history=history, setup=setup)  # what the next step starts from
             checkpoints.save_checkpoint(
-                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, history=history
+                checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, **carried
             )
         if stop.name:
             stop.exit(step, writer, SCRIPT)

@@ -33,10 +33,11 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
+from machinery import batches, bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
 from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
 from machinery.critic import load_critic  # PPO's value model: the policy's transformer, a scalar head
-from machinery.errors import UsageError
+from machinery.flag_checks import check_ppo_args
+from machinery.tiny_model import TINY_MODEL
 from tasks import load_task
 
 
@@ -50,7 +51,7 @@ class Args(flags.RunArgs):
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch and the prompt order"""
-    model: str = models.TINY_MODEL
+    model: str = TINY_MODEL
     """hub id, local folder or .gguf file of a causal LM; `tiny` is the built-in ~1M-parameter model"""
     task: str = "copy"
     """task to train on (see tasks/__init__.py)"""
@@ -121,57 +122,22 @@ class Args(flags.RunArgs):
 
 # On a model other than tiny, these replace the defaults above (a real model must never get the tiny model's
 # learning rate); a flag given on the command line wins. Printed at start.
-HUB_DEFAULTS = dict(
-    num_steps=500,
-    max_new_tokens=512,
-    learning_rate=1e-6,
-    critic_learning_rate=1e-5,
-    update_epochs=4,
-    num_minibatches=4,
-    kl_coef=0.05,
-    missing_eos_penalty=0.0,
-    micro_batch_size=8,
+HUB_DEFAULTS = dict(num_steps=500, max_new_tokens=512, learning_rate=1e-6, micro_batch_size=8)  # sizes and rate
+HUB_DEFAULTS.update(
+    critic_learning_rate=1e-5, update_epochs=4, num_minibatches=4, kl_coef=0.05, missing_eos_penalty=0.0
 )
 # A dump keeps these of the last update's first micro-batch (the models have moved), and every minibatch's rows.
 SCRIPT = "ppo"  # names its checkpoints, dumps and logs
 DUMPED = ("micro_index", "minibatch_index", "new_logp", "new_values", "entropy", "per_token_loss")
 
 
-def check_args(args):
-    flags.check_run_args(args)
-    flags.check_positive(args, "prompts_per_step", "max_new_tokens", "num_steps", "micro_batch_size")
-    flags.check_positive(args, "samples_per_prompt", "update_epochs", "num_minibatches", "kl_horizon")
-    dist.check_launch(args, args.samples_per_prompt)  # under torchrun: every process gets as many prompts
-    batch_size = args.prompts_per_step * args.samples_per_prompt
-    per_process = batch_size // dist.world_size()
-    if per_process % args.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches {args.num_minibatches} does not divide the batch of {per_process} completions"
-            f"{' per process' if dist.world_size() > 1 else ''}: pick a divisor"
-        )
-    flags.check_range(args, "in [0, 1]", "gamma", "lam")
-    flags.check_range(args, ">= 0", "kl_coef", "vf_coef", "ent_coef", "missing_eos_penalty")
-    flags.check_range(args, "in (0, 1)", "critic_learning_rate")
-    flags.check_range(args, "> 0", "cliprange_value", "adv_eps")
-    flags.check_acts(args, "kl_horizon", args.target_kl is not None, "with --target-kl", "add --target-kl")
-    for name in ("critic_model", "critic_learning_rate", "cliprange_value"):
-        critic = "on the critic, and --vf-coef 0 loads none"
-        flags.check_acts(args, name, args.vf_coef > 0, critic, "raise --vf-coef above 0", HUB_DEFAULTS)
-    if args.target_kl is not None and (args.target_kl <= 0 or args.kl_coef <= 0):
-        raise UsageError("--target-kl needs a value > 0 and a starting --kl-coef > 0")
-    if args.target_kl is not None and args.kl_horizon < batch_size:  # adaptive_kl_coef moves by up to 0.2 * N / horizon
-        raise UsageError(
-            f"--kl-horizon {args.kl_horizon} is below the {batch_size} completions of a step: the KL "
-            f"coefficient could turn negative; use at least {batch_size}"
-        )
-
-
+check_args = functools.partial(check_ppo_args, hub_defaults=HUB_DEFAULTS)  # machinery/flag_checks.py
 LOADERS = {"policy": models.load_causal_lm, "critic": load_critic}  # what --resume builds each checkpoint into
 
 
 def rollout_values(critic, inputs, args):
     """The critic's values [N, T] of a sampled batch (token_values), by micro-batches, as the rollout's log-probs."""
-    return common.in_micro_batches(token_values, critic, inputs, args.micro_batch_size)
+    return batches.in_micro_batches(token_values, critic, inputs, args.micro_batch_size)
 
 
 def token_values(critic, input_ids, attention_mask, completion_mask):
@@ -231,6 +197,14 @@ def next_kl_coef(batch, args, gather=lambda x: x):
         return float(batch["kl_coef"])
     seq_kl = gather((kl_estimate(batch["old_logp"], batch["ref_logp"], "k1") * batch["completion_mask"]).sum(1))
     return adaptive_kl_coef(float(batch["kl_coef"]), seq_kl.mean().item(), args.target_kl, len(seq_kl), args.kl_horizon)
+
+
+def setup_state(sample, models, args):
+    """State measured once, before the first step and after the models load (docs/fork.md): e.g. a reward's gain and
+    bias on the initial policy's completions (`sample()`: one round, scored; `models`: by name). A dict of tensors and
+    numbers: the checkpoint carries it (a resumed run gets it back, never measured again) and every step's batch holds
+    it under its own names, so each entry point, the dumps and verify.py read it. PPO measures nothing."""
+    return {}
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -349,7 +323,7 @@ def main(args, flags_given=()):
     # autocast), so the step-1 KL is 0; with LoRA it is the policy with its adapters off, no second copy.
     ref_model = lora.reference(policy, args, device) if args.kl_coef > 0 or args.target_kl is not None else None
     scorer, eos_ids = startup.load_scorer(args, run, tokenizer, policy)
-    sampler = common.PromptSampler(task.train, args.seed)
+    sampler = batches.PromptSampler(task.train, args.seed)
     # DISTRIBUTED (torchrun): each process holds a shard of each model; the rest reads as on one.
     policy, critic, ref_model = dist.shard(policy, critic, ref_model)  # in place: `trained` holds them
     sample = functools.partial(  # ROLLOUT's one round: this process's prompts and their completions
@@ -359,6 +333,7 @@ def main(args, flags_given=()):
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS)
     kl_coef = run.state["kl_coef"] if args.resume else args.kl_coef
+    setup = run.state.get("setup", {}) if args.resume else setup_state(sample, dict(trained, reference=ref_model), args)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained, reference=ref_model)
     checkpoint_dir = os.path.join(run_dir, "checkpoint")
     stop = checkpoints.StopSignal(checkpoint_dir)
@@ -369,8 +344,8 @@ def main(args, flags_given=()):
         # ROLLOUT: samples_per_prompt completions for each prompt (under torchrun: this process's prompts).
         with timer("rollout"):
             sampled = sample()
-            scores, b_mask = sampled["rewards"], sampled["completion_mask"]  # [N], [N, T]
-            inputs = common.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
+            scores, b_mask = sampled["scores"], sampled["completion_mask"]  # [N], [N, T]
+            inputs = batches.model_inputs(sampled)  # input_ids, attention_mask [N, P + T], completion_mask [N, T]
             N = len(scores)
             with torch.no_grad(), common.autocast(device, dtype):  # computed once, before any update
                 b_old_logp, b_values = (
@@ -383,7 +358,7 @@ def main(args, flags_given=()):
 
             # ALGO LOGIC: per-token reward = the task's reward where it was earned (an outcome score: the last token,
             # less the missing-EOS penalty) - kl_coef * KL on every token; GAE advantages over the critic's values.
-            b_rollout = dict(common.batch_inputs(sampled), scores=scores, token_scores=sampled["token_scores"])
+            b_rollout = dict(batches.batch_inputs(sampled, setup), scores=scores, token_scores=sampled["token_scores"])
             b_rollout.update(values=b_values, old_logp=b_old_logp, ref_logp=b_ref_logp, kl_coef=torch.tensor(kl_coef))
             b_rollout["eos_ids"] = torch.tensor(eos_ids, device=device)
             # Each entry point gets its batch from common.entry_batch, as verify.py gives it.
@@ -397,7 +372,7 @@ def main(args, flags_given=()):
         with timer("train"):
             for model in trained.values():
                 model.train()
-            minibatches = common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)
+            minibatches = batches.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)
             updates = []  # per optimizer step, each micro-batch's terms: checked, dumped and logged below
             for mb_inds in minibatches:
                 mb_tokens = dist.sum(int(b_mask[mb_inds].sum()))  # the minibatch's, under torchrun every process's
@@ -426,10 +401,8 @@ def main(args, flags_given=()):
         dumps.dump_step(args.dump_dir, step, dump)  # with --dump-dir
 
         # LOGGING: the same names in grpo.py and ppo.py. Under torchrun, over every process's completions and tokens.
-        history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))
-        all_scores, seq_rewards, lengths = dist.gather(scores, b_rewards.sum(1), b_mask.sum(1).float())
-        history["score"].append(all_scores.mean().item())
-        history["length"].append(lengths.mean().item())
+        all_scores, seq_rewards = dist.gather(scores, b_rewards.sum(1))
+        lengths = bookkeeping.record(history, sampled, all_scores, pbar)  # the score: before the reward's penalties
         scalars = {
             "charts/reward": seq_rewards.mean(),
             "charts/score": history["score"][-1],  # reward: score - penalties
@@ -447,11 +420,10 @@ def main(args, flags_given=()):
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used
-        pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
         common.print_samples(step, sampled, args.samples_per_prompt, args.sample_every)
         kl_coef = next_kl_coef(b_rollout, args, gather=dist.gather)  # with --target-kl: adapted to this step's KL
         if stop.requested() or (args.save_every and step % args.save_every == 0):
-            carried = dict(history=history, kl_coef=kl_coef)  # what the next step starts from
+            carried = dict(history=history, kl_coef=kl_coef, setup=setup)  # what the next step starts from
             checkpoints.save_checkpoint(
                 checkpoint_dir, SCRIPT, args, trained, tokenizer, step, optimizer, scheduler, sampler, **carried
             )

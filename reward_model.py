@@ -4,7 +4,7 @@ Ouyang et al. 2022 (InstructGPT), section 3.5 and eq. 1; Ziegler et al. 2019; St
 LM with a scalar head reads prompt + completion and gives one number, r(x, y), at the last real token; it is trained
 so that each pair's chosen completion scores above its rejected one: loss = -log sigmoid(r(x, y_c) - r(x, y_r)).
 The saved `final` folder is a transformers sequence-classification model with one output, which ppo.py and grpo.py
-take as they are with --reward-model, and score exactly as here (models.reward_inputs: the same text, the same
+take as they are with --reward-model, and score exactly as here (learnt_reward.reward_inputs: the same text, the same
 tokens, the same last token).
 
     python reward_model.py                                     # tiny model, built-in preference task, CPU, ~3 min
@@ -29,7 +29,20 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import bookkeeping, checkpoints, dumps, flags, models, precision, startup, threads
+from machinery import (
+    batches,
+    bookkeeping,
+    checkpoints,
+    dumps,
+    flags,
+    generation,
+    learnt_reward,
+    models,
+    precision,
+    startup,
+    threads,
+    tiny_model,
+)
 from tasks import preferences
 
 
@@ -44,7 +57,7 @@ class Args(flags.RunArgs):
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
     """seed of Python, numpy, torch, the synthetic pairs and the order of the pairs"""
-    model: str = models.TINY_MODEL
+    model: str = tiny_model.TINY_MODEL
     """hub id, local folder or .gguf file of the causal LM the reward model starts from (its scalar head is new)"""
     task: str = "synthetic"
     """the pairs: `synthetic` (sampled from --model, labelled by a gold reward) or jsonl:PATH (tasks/preferences.py)"""
@@ -114,16 +127,20 @@ def bradley_terry_loss(chosen_rewards, rejected_rewards, total_pairs):
 def compute_loss(outputs, batch, args):
     """The loss entry point the training loop calls: bradley_terry_loss on a micro-batch's scores (outputs: chosen
     and rejected, [n] each, with the gradient) as its share of the batch of batch["num_pairs"] pairs. A new loss
-    term goes here. Returns the loss and, detached, its terms (for logs and the non-finite stop)."""
+    term goes here: each term it returns is logged under its own name (losses/bt_loss: the Bradley-Terry term, summed
+    over the micro-batches; common.logged_losses). Returns the loss and, detached, its terms."""
     chosen, rejected = outputs["chosen"], outputs["rejected"]
-    loss = bradley_terry_loss(chosen, rejected, batch["num_pairs"])
-    return loss, {"margin": (chosen - rejected).detach(), "loss": loss.detach()}
+    bt_loss = bradley_terry_loss(chosen, rejected, batch["num_pairs"])
+    loss = bt_loss
+    terms = dict(margin=chosen - rejected, bt_loss=bt_loss, loss=loss)
+    return loss, {key: value.detach() for key, value in terms.items()}
 
 
 def pair_scores(model, enc, n):
     """(r(x, y_chosen), r(x, y_rejected)), [n] each: the scalar head's output at each text's last token that is not
     the pad id, which transformers' *ForSequenceClassification reads (its `score` applied to the last hidden state),
-    on `enc`, the 2n texts pair_inputs makes: what ppo.py's and grpo.py's --reward-model (models.RewardModel) score."""
+    on `enc`, the 2n texts pair_inputs makes: what ppo.py's and grpo.py's --reward-model (learnt_reward.RewardModel)
+    score."""
     rewards = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, 0].float()  # [2n]
     return rewards[:n], rewards[n:]
 
@@ -134,11 +151,11 @@ def pair_rewards(model, tokenizer, pairs, device):
 
 
 def pair_inputs(tokenizer, pairs, device):
-    """The pairs' chosen then rejected texts, tokenised by models.reward_inputs (the same text, the same tokens and
-    the same last token as models.RewardModel), right-padded: [2n, T]."""
+    """The pairs' chosen then rejected texts, tokenised by learnt_reward.reward_inputs (the same text, the same tokens
+    and the same last token as learnt_reward.RewardModel), right-padded: [2n, T]."""
     prompts = [pair["prompt"] for pair in pairs]
     completions = [pair["chosen"] for pair in pairs] + [pair["rejected"] for pair in pairs]
-    return models.reward_inputs(tokenizer, prompts + prompts, completions).to(device)
+    return learnt_reward.reward_inputs(tokenizer, prompts + prompts, completions).to(device)
 
 
 def load_reward_model(name, device):
@@ -185,8 +202,8 @@ def sample_completions(model_name, device, dtype, max_new_tokens):
 
     def sample(prompts):
         with common.autocast(device, dtype):
-            _, _, ids, mask = common.generate(policy, tokenizer, prompts, max_new_tokens, 1.0, eos_ids)
-        return common.decode_completions(tokenizer, ids, mask, eos_ids)
+            _, _, ids, mask = generation.generate(policy, tokenizer, prompts, max_new_tokens, 1.0, eos_ids)
+        return generation.decode_completions(tokenizer, ids, mask, eos_ids)
 
     return sample
 
@@ -211,7 +228,7 @@ def main(args, flags_given=()):
     trained = {"reward_model": model}
     lrs = {"reward_model": args.learning_rate}
     optimizer, scheduler = startup.make_optimizer(trained, lrs, args, common.adamw_param_groups)
-    sampler = common.PromptSampler(task.train, args.seed)  # endless shuffled passes over the pairs
+    sampler = batches.PromptSampler(task.train, args.seed)  # endless shuffled passes over the pairs
     history = {"bt_loss": [], "eval": {}, "tokens": 0}
     first_step, history = startup.resume(args, run, trained, optimizer, scheduler, sampler, LOADERS, history)
     writer = bookkeeping.make_writer(run_dir, args, first_step, **trained)
@@ -258,7 +275,7 @@ def main(args, flags_given=()):
         if (args.eval_every and step % args.eval_every == 0) or step == args.num_steps:
             history["eval"] = evaluate(model, tokenizer, task.test, args.micro_batch_size, device, dtype)
             scalars.update(history["eval"])
-        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}
+        losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])  # each term by its name
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's update used
         pbar.set_postfix(loss=f"{b_loss:.3f}", acc=f"{history['eval'].get('eval/accuracy', float('nan')):.3f}")

@@ -1,5 +1,6 @@
-"""The figures the docs state about the shipped code, computed from it: the README's share of `diff grpo.py ppo.py`
-(the whole files and their `main`) and docs/flags.md's table of every flag.
+"""The figures the docs state about the shipped code, computed from it: the lines GNU `diff grpo.py ppo.py` marks
+(`diff grpo.py ppo.py | grep -c '^[<>]'`, of the two files' total, and the share of their `main`) and docs/flags.md's
+tables of every flag (grpo.py's and ppo.py's, then reward_model.py's).
 
     python benchmarks/doc_figures.py            # prints each figure and each row the docs lack or get wrong
     python benchmarks/doc_figures.py --check    # the same, exit status 1 when the docs are behind the code
@@ -12,29 +13,43 @@ A fork's new flag is documented by its --help; its share of lines is the fork's 
 
 import argparse
 import dataclasses
-import difflib
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# The README's sentence on `diff grpo.py ppo.py`: its figure for the whole files, then for their `main`.
+# The README's sentence on `diff grpo.py ppo.py`: the lines it marks, of the two files' lines, that share in percent,
+# then the share of their `main`.
 SHARE = re.compile(
-    r"(PPO's reward\): )(\d+)(% of the two files' lines.*?the training loops \(`main`\) differ in )(\d+)", re.DOTALL
+    r"(`diff grpo\.py ppo\.py`\s+marks\s+)(\d+)(\s+of\s+the\s+two\s+files'\s+)(\d+)(\s+lines\s+\()(\d+)"
+    r"(%\).*?the\s+training\s+loops\s+\(`main`\)\s+differ\s+in\s+)(\d+)",
+    re.DOTALL,
 )
 FLAGS_PAGE, FLAGS_HEADING = "docs/flags.md", "# Every flag"
+RM_HEADING = "## reward_model.py"  # its own table: its flags are its own but for the run flags
 
 
 def read(path):
     return open(os.path.join(ROOT, path), encoding="utf-8").read()
 
 
+def marked_lines(a_lines, b_lines):
+    """The lines GNU `diff` marks between two texts (`diff A B | grep -c '^[<>]'`): the text's own diff, not a copy."""
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [os.path.join(folder, name) for name in ("a", "b")]
+        for path, lines in zip(paths, (a_lines, b_lines)):
+            open(path, "w", encoding="utf-8").write("".join(line + "\n" for line in lines))
+        out = subprocess.run(["diff", *paths], capture_output=True, text=True).stdout
+    return sum(line[:1] in "<>" for line in out.splitlines())
+
+
 def changed_share(a_lines, b_lines):
-    """The share of two texts' lines that `diff` marks changed (difflib's diff: within a point of GNU diff's)."""
-    changed = [line for line in difflib.unified_diff(a_lines, b_lines, n=0, lineterm="") if line[:1] in "+-"]
-    return (len(changed) - 2) / max(len(a_lines) + len(b_lines), 1)  # less the two file headers
+    """The share of two texts' lines that GNU `diff` marks."""
+    return marked_lines(a_lines, b_lines) / max(len(a_lines) + len(b_lines), 1)
 
 
 def main_lines(lines):
@@ -45,17 +60,19 @@ def main_lines(lines):
 
 
 def shares(grpo_path="grpo.py", ppo_path="ppo.py"):
-    """(whole files, their main): the shares of lines `diff` marks changed, in percent, rounded."""
+    """(lines `diff` marks, the two files' lines, that share in percent, the share of their main in percent)."""
     a, b = read(grpo_path).splitlines(), read(ppo_path).splitlines()
-    return round(changed_share(a, b) * 100), round(changed_share(main_lines(a), main_lines(b)) * 100)
+    marked = marked_lines(a, b)
+    main = round(changed_share(main_lines(a), main_lines(b)) * 100)
+    return marked, len(a) + len(b), round(100 * marked / (len(a) + len(b))), main
 
 
 def readme_shares(text):
-    """The README's two figures (whole files, main), as it states them."""
+    """The README's four figures (lines marked, lines in all, percent, main's percent), as it states them."""
     found = SHARE.search(text)
     if not found:
-        raise ValueError("README.md has no sentence 'PPO's reward): N% of the two files' lines ... `main` differ in M'")
-    return int(found.group(2)), int(found.group(4))
+        raise ValueError("README.md has no sentence '`diff grpo.py ppo.py` marks N of the two files' M lines (P%) ...'")
+    return tuple(int(found.group(i)) for i in (2, 4, 6, 8))
 
 
 def shown(value):
@@ -72,11 +89,11 @@ def table_rows(text, heading=FLAGS_HEADING):
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
-def documented_flags(text):
-    """{--flag: {"grpo": cell, "ppo": cell}} of the flag table."""
+def documented_flags(text, heading=FLAGS_HEADING, columns=("grpo", "ppo")):
+    """{--flag: {"grpo": cell, "ppo": cell}} of the flag table (`columns`: the scripts of the table under `heading`)."""
     rows = {}
-    for cells in table_rows(text):
-        rows[re.match(r"`(--[\w-]+)", cells[0]).group(1)] = dict(grpo=cells[1], ppo=cells[2])
+    for cells in table_rows(text, heading):
+        rows[re.match(r"`(--[\w-]+)", cells[0]).group(1)] = dict(zip(columns, cells[1:]))
     return rows
 
 
@@ -124,6 +141,20 @@ def scripts():
     return {"grpo": grpo, "ppo": ppo}
 
 
+def tables():
+    """Each table of docs/flags.md: its heading and the scripts whose defaults are its columns."""
+    import reward_model
+
+    return [(FLAGS_HEADING, scripts()), (RM_HEADING, {"reward_model": reward_model})]
+
+
+def add_rows(page, heading, rows):
+    """The page with `rows` after the last row of the table under `heading`."""
+    last = [line for line in f"\n{page}".split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0].splitlines()]
+    last = [line for line in last if line.startswith("|")][-1]
+    return page.replace(last + "\n", last + "\n" + "\n".join(rows) + "\n", 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit status 1 when the docs are behind the code")
@@ -131,26 +162,30 @@ def main():
     options = parser.parse_args()
     readme, page = read("README.md"), read(FLAGS_PAGE)
     stated, measured = readme_shares(readme), shares()
-    print(f"diff grpo.py ppo.py: {measured[0]}% of the lines, main {measured[1]}% (README: {stated[0]}%, {stated[1]}%)")
-    code, meanings = code_flags(scripts())
-    documented = documented_flags(page)
-    problems = wrong_rows(documented, code) + missing_rows(documented, code)
+    print(f"diff grpo.py ppo.py marks {measured[0]} of {measured[1]} lines ({measured[2]}%), main {measured[3]}%")
+    problems, new = [], {}
+    for heading, modules in tables():
+        code, meanings = code_flags(modules)
+        documented = documented_flags(page, heading, tuple(modules))
+        problems += wrong_rows(documented, code) + missing_rows(documented, code)
+        cells = lambda flag: " | ".join(code[flag][name] for name in modules)  # noqa: B023
+        new[heading] = [f"| `{flag}` | {cells(flag)} | {meanings[flag]} |" for flag in code if flag not in documented]
     if stated != measured:
         problems.append(
-            f"README.md states {stated[0]}% and {stated[1]}%: the code's are {measured[0]}% and {measured[1]}%"
+            f"README.md states {stated}: the code's are {measured} (marked, lines, percent, main's percent)"
         )
     print("\n".join(problems) or "the docs state the code's figures and every flag")
     if options.write:
-        readme = SHARE.sub(lambda m: f"{m.group(1)}{measured[0]}{m.group(3)}{measured[1]}", readme)
+        marked, total, share, main = measured
+        readme = SHARE.sub(
+            lambda m: "".join((m[1], str(marked), m[3], str(total), m[5], str(share), m[7], str(main))), readme
+        )
         open(os.path.join(ROOT, "README.md"), "w", encoding="utf-8").write(readme)
-        new = [f"| `{flag}` | {code[flag]['grpo']} | {code[flag]['ppo']} | {meanings[flag]} |" for flag in code]
-        new = [row for row, flag in zip(new, code) if flag not in documented]
-        if new:  # after the table's last row
-            last = [line for line in page.split(f"\n{FLAGS_HEADING}\n", 1)[1].split("\n#", 1)[0].splitlines()]
-            last = [line for line in last if line.startswith("|")][-1]
-            page = page.replace(last + "\n", last + "\n" + "\n".join(new) + "\n", 1)
-            open(os.path.join(ROOT, FLAGS_PAGE), "w", encoding="utf-8").write(page)
-        print(f"wrote README.md's figures and {len(new)} new rows of {FLAGS_PAGE} (each meaning: its --help)")
+        for heading, rows in new.items():
+            page = add_rows(page, heading, rows) if rows else page
+        open(os.path.join(ROOT, FLAGS_PAGE), "w", encoding="utf-8").write(page)
+        count = sum(map(len, new.values()))
+        print(f"wrote README.md's figures and {count} new rows of {FLAGS_PAGE} (each meaning: its --help)")
     elif options.check and problems:
         sys.exit(1)
 

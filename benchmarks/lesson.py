@@ -244,16 +244,16 @@ def credit_example(runs_dir):
     import torch
     from safetensors.torch import load_file
 
-    import common
     import ppo
-    from machinery import models, scoring
+    from machinery import generation, models, scoring
+    from machinery.tiny_model import TINY_MODEL
     from tasks import load_task
 
     d = load_file(os.path.join(run_dir(runs_dir, "grpo-dense", 1), "dump", f"step{DUMP_STEP:06d}.safetensors"))
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     eos = [tokenizer.eos_token_id]
     prompts = tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True)
-    completions = common.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], eos)
+    completions = generation.decode_completions(tokenizer, d["completion_ids"], d["completion_mask"], eos)
     rewards, group = d["rewards"], 8
     spread = rewards.view(-1, group).std(1).repeat_interleave(group) > 0
     ended = torch.isin(d["completion_ids"], torch.tensor(eos)).any(1)

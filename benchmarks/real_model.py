@@ -160,15 +160,15 @@ def run_trl(model_dir, seed, steps, work, bf16=False, task_name=TASK, flags=None
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import common
     import grpo
+    from machinery import batches
     from tasks import load_task
 
     warnings.simplefilter("ignore")
     real = {**grpo.HUB_DEFAULTS, **GRPO_FLAGS, "max_new_tokens": MAX_NEW_TOKENS}  # what run_ours runs on a hub model
     flags = {**vars(grpo.Args()), **(real if flags is None else flags)}
     task = load_task(task_name)
-    examples = common.PromptSampler(task.train, seed).sample(steps * flags["prompts_per_step"])
+    examples = batches.PromptSampler(task.train, seed).sample(steps * flags["prompts_per_step"])
     prompts = [[{"role": "user", "content": ex["prompt"]}] if chat else ex["prompt"] for ex in examples]
     dataset = Dataset.from_dict({"prompt": prompts, "answer": [ex["answer"] for ex in examples]})
 

@@ -86,12 +86,12 @@ def curves(dump_dir):
     import torch
     from safetensors.torch import load_file
 
-    import common
-    from machinery import models
+    from machinery import generation, models
+    from machinery.tiny_model import TINY_MODEL
     from tasks import copy_task
     from tasks.rewards import graded_copy_reward
 
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     task = copy_task()
     answers = {example["prompt"]: example["answer"] for example in task.train + task.test}
     rows = []
@@ -99,7 +99,7 @@ def curves(dump_dir):
         dump = load_file(path)
         prompts = tokenizer.batch_decode(dump["prompt_ids"] * dump["prompt_mask"], skip_special_tokens=True)
         eos = [tokenizer.eos_token_id]
-        texts = common.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], eos)
+        texts = generation.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], eos)
         gold = [graded_copy_reward(p, c, answers[p]) for p, c in zip(prompts, texts)]
         logp = dump["old_logp"] if "scores" in dump else dump["new_logp"]  # PPO's rollout, GRPO's one iteration
         kl = ((logp - dump["ref_logp"]) * dump["completion_mask"]).sum(1)  # [N]

@@ -72,17 +72,17 @@ def grpo_step(policy, ref, tokenizer, task, examples, args, dtype, optimizer, ph
     """grpo.py's step (num_iterations 1): the same calls on the same batch layout, timed by `phase`."""
     import common
     import grpo
-    from machinery import models, scoring
+    from machinery import generation, models, scoring
 
     eos_ids = models.eos_token_ids(policy, tokenizer)
     prompts = [ex["prompt"] for ex in examples for _ in range(args.group_size)]
     answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
     with phase("rollout"):
         with common.autocast(CPU, dtype):
-            prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+            prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
                 policy, tokenizer, prompts, args.max_new_tokens, args.temperature, eos_ids
             )
-        completions = common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+        completions = generation.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         rewards = scoring.score_tokens(
             task, tokenizer, prompts, completions, answers, completion_ids, completion_mask
         ).sum(1)
@@ -136,9 +136,8 @@ QUICK = ("float32", "bfloat16, per row", "bfloat16")  # --quick: the dtype's and
 
 def phase_table(model_dir, task_name, settings, repeats, seed=1, variants=tuple(VARIANTS)):
     """Each variant's step: counted once, then timed `repeats` times, the variants interleaved."""
-    import common
     import grpo
-    from machinery import models, prompt_cache
+    from machinery import batches, models, prompt_cache
     from tasks import load_task
 
     args = grpo.Args(model=model_dir, task=task_name, scale_rewards="group", bias_corrected_kl=False, **settings)
@@ -147,7 +146,7 @@ def phase_table(model_dir, task_name, settings, repeats, seed=1, variants=tuple(
     policy = models.load_causal_lm(model_dir, CPU)
     ref = models.load_causal_lm(model_dir, CPU).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0)  # the whole update's work, the weights unchanged
-    examples = common.PromptSampler(task.train, seed).sample(args.prompts_per_step)
+    examples = batches.PromptSampler(task.train, seed).sample(args.prompts_per_step)
     plain_runs = prompt_cache.prompt_runs
     results = {name: dict(runs=[]) for name in variants}
     for rep in range(repeats + 1):  # pass 0 counts the FLOPs

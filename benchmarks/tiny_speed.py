@@ -53,9 +53,10 @@ def trl_once(steps, work):
 
     import grpo
     from machinery import models
+    from machinery.tiny_model import TINY_MODEL
 
     flags = vars(grpo.Args())
-    model_dir = models.resolve_model_path(models.TINY_MODEL)
+    model_dir = models.resolve_model_path(TINY_MODEL)
     _, trl, _ = real_model.run_trl(
         model_dir, flags["seed"], steps, work, task_name=flags["task"], flags=flags, chat=False
     )

@@ -161,6 +161,19 @@ def progress(script, first_step, num_steps):
     )
 
 
+def record(history, sampled, all_scores, pbar):
+    """A step's tallies in the history (the summary's and the checkpoint's), shown on the progress bar: the tokens
+    sampled, prompts and completions, the mean score and completion length, over every process's. Returns every
+    process's completion lengths [N]."""
+    mask = sampled["completion_mask"]
+    history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + mask.sum()))
+    lengths = dist.gather(mask.sum(1).float())
+    history["score"].append(all_scores.mean().item())
+    history["length"].append(lengths.mean().item())
+    pbar.set_postfix(score=f"{history['score'][-1]:.3f}", len=f"{history['length'][-1]:.1f}")
+    return lengths
+
+
 def log_step(writer, step, scalars, losses, timer, total_tokens, device):
     """One step's scalars: the loop's own (`scalars`), the losses of its updates (common.logged_losses), and the
     time and memory; then, under --threads auto, the threads follow the cores other processes left idle

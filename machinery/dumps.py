@@ -19,7 +19,7 @@ def dump_batch(path, tensors, checkpoint=None):
     """One safetensors file of named tensors (the batch dumps read by the verification snippet).
 
     A value may be a list of micro-batch pieces, concatenated here; None (a tensor the run has not) is left out, and
-    so is a list of what is not a tensor (an example's text field: common.example_fields).
+    so is a list of what is not a tensor (an example's text field: batches.example_fields).
     A write that fails (a full disk) is one line naming the last good checkpoint (in folder `checkpoint`).
     """
     from safetensors.torch import save_file

@@ -1,88 +1,16 @@
 """Loading what a run needs, and checking it fits: models, tokenizers, device and precision.
 
-The built-in tiny model, any causal LM of the hub, a folder or a .gguf file (gguf_convert.py), with its tokenizer,
-a reward model (--reward-model), the device and autocast dtype; the checks that refuse a misfit in one line."""
+The built-in tiny model (built by tiny_model.py), any causal LM of the hub, a folder or a .gguf file (gguf_convert.py),
+with its tokenizer; the checks that refuse a misfit in one line. A --reward-model is learnt_reward.py's."""
 
 import os
-import shutil
 import sys
 
 import torch
 
 from machinery import gguf_convert, model_checks, threads
 from machinery.errors import UsageError, one_line
-
-TINY_MODEL = "tiny"
-# The same tiny model as GPT-2, whose positions are learned and absolute: a position id that ignores left padding
-# changes its log-probs, where the rotary positions of `tiny` are blind to that uniform shift (verify.py's dumps).
-TINY_GPT2_MODEL = "tiny-gpt2"
-TINY_MODELS = (TINY_MODEL, TINY_GPT2_MODEL)
-TINY_CHARS = "0123456789+-*/=() ,.:?"  # enough for every built-in task
-TINY_VERSION = 1  # bump when the recipe below changes, so old cached copies are rebuilt
-
-
-def tiny_model_dir(name=TINY_MODEL):
-    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    kind = "gpt2" if name == TINY_GPT2_MODEL else "qwen2"
-    return os.path.join(cache, "ppo-grpo-reference", f"tiny-{kind}-v{TINY_VERSION}")
-
-
-def build_tiny_model(folder, name=TINY_MODEL):
-    """Write a built-in tiny model: a character-level tokenizer and a ~1M-parameter Qwen2 (`tiny`) or GPT-2
-    (`tiny-gpt2`: learned absolute positions), random init.
-
-    It is saved like any hub model, so it then goes through the same AutoModel/AutoTokenizer path.
-    The init is seeded, so every machine builds the same weights.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    specials = ["<pad>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(TINY_CHARS))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-    backend.decoder = decoders.Fuse()  # join characters back without spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=vocab["<pad>"],
-        eos_token_id=vocab["<eos>"],
-        bos_token_id=None,
-    )
-    model_class = Qwen2ForCausalLM
-    if name == TINY_GPT2_MODEL:
-        config = GPT2Config(
-            vocab_size=len(vocab),
-            n_embd=128,
-            n_layer=4,
-            n_head=4,
-            n_positions=256,
-            tie_word_embeddings=True,
-            pad_token_id=vocab["<pad>"],
-            eos_token_id=vocab["<eos>"],
-            bos_token_id=None,
-        )
-        model_class = GPT2LMHeadModel
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = model_class(config)
-    tmp = f"{folder}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    if os.path.isdir(folder):  # another process built it meanwhile
-        shutil.rmtree(tmp)
-    else:
-        os.rename(tmp, folder)
+from machinery.tiny_model import TINY_MODELS, build_tiny_model, tiny_model_dir
 
 
 def resolve_model_path(name, flag="--model"):
@@ -336,7 +264,7 @@ def check_vocabulary(tokenizer, task, model_name):
 
 def token_counts(tokenizer, texts, chat_template=None, chunk_chars=2**20):
     """Tokens of each text, one at a time (no padding): as generation encodes a prompt (chat_template True or
-    False, see common.encode_prompts), or as a completion writes an answer (None: no special tokens). Tokenized
+    False, see generation.encode_prompts), or as a completion writes an answer (None: no special tokens). Tokenized
     about `chunk_chars` characters a call: a signal (Ctrl-C, SIGTERM) is handled between calls, never held up by
     one long call into the tokenizer."""
     if not texts:
@@ -429,95 +357,3 @@ def eos_token_ids(model, tokenizer):
 
 
 CPU = torch.device("cpu")  # where a checkpoint's weights are read before they are copied into the run's models
-
-
-# ---------------------------------------------------------------------------------------------------
-# --reward-model: a learned reward instead of the task's.
-# ---------------------------------------------------------------------------------------------------
-
-
-class RewardModel:
-    """--reward-model: a sequence-classification model with one output scores each prompt + completion.
-
-    The canonical RLHF setup (Ouyang et al. 2022). The text is re-tokenised with the reward model's own
-    tokenizer (through its chat template when it has one), so it need not share the policy's tokenizer.
-    """
-
-    def __init__(self, name, device, dtype, batch_size=16):
-        from transformers import AutoModelForSequenceClassification
-
-        self.name, self.batch_size = f"reward model {name}", batch_size
-        self.tokenizer = load_tokenizer(name)
-        self.tokenizer.padding_side = "right"
-        from transformers.utils import logging
-
-        missing, verbosity = [], logging.get_verbosity()
-        logging.set_verbosity_error()  # transformers' load report: a missing head is refused below, in one line
-        self.model = load_pretrained(AutoModelForSequenceClassification, name, device, dtype, missing).eval()
-        logging.set_verbosity(verbosity)
-        model_checks.check_reward_model_config(self.model.config, name, "--reward-model")  # as saved: 1 output
-        model_checks.check_trained_head(missing, name, "--reward-model")
-        model_checks.check_token_ids(self.model, self.tokenizer, [], f"--reward-model {name}")
-        if self.model.config.pad_token_id is None:  # it finds each row's last token through the pad id
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-
-    def check_task(self, task, max_new_tokens):
-        """Refuse a reward model that cannot read the task's text: characters of its prompts or answers its
-        tokenizer does not know (it would score <unk>s), or fewer positions than the longest prompt, as it reads
-        it, and --max-new-tokens (a completion would run past its position embeddings)."""
-        name = self.name.removeprefix("reward model ")
-        texts = [example[key] for example in task.train + task.test for key in ("prompt", "answer")]
-        unknown = unwritable_characters(self.tokenizer, texts)
-        if unknown:
-            char = next(c for t in texts for c in t if c in unknown)
-            raise UsageError(
-                f"the tokenizer of --reward-model {name!r} does not know {len(unknown)} of the characters of task "
-                f"{task.name!r} (e.g. {char!r}), so it would score <unk>s: pass a reward model trained on text "
-                "like the task's (from a model of the policy's family)"
-            )
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if not limit:
-            return
-        prompts = [example["prompt"] for example in task.train + task.test]
-        texts, templated = reward_texts(self.tokenizer, prompts, [""] * len(prompts))
-        (length, _), over = longest(self.tokenizer, texts, limit - max_new_tokens, None if templated else False)
-        if over:
-            raise UsageError(
-                f"--reward-model {name!r} has {limit} positions, fewer than the longest prompt of task {task.name!r} "
-                f"as it reads it ({length} tokens) and --max-new-tokens {max_new_tokens}: pass a reward model with "
-                "more positions, or shorten the prompts"
-            )
-
-    def score(self, prompts, completions, answers):
-        scores = []
-        with torch.no_grad():
-            for i in range(0, len(prompts), self.batch_size):
-                rows = slice(i, i + self.batch_size)
-                enc = reward_inputs(self.tokenizer, prompts[rows], completions[rows]).to(self.model.device)
-                scores += self.model(**enc).logits[:, 0].float().tolist()
-        return scores
-
-
-def reward_texts(tokenizer, prompts, completions):
-    """The texts a reward model reads, and whether its chat template rendered them: each prompt and completion as
-    a user and an assistant turn when the tokenizer has a template, else the two strings joined. A prompt and a
-    completion given as lists of messages (conversational preference data) are one conversation, rendered as they
-    are. reward_model.py trains on exactly what RewardModel scores here."""
-    conversational = [isinstance(p, list) for p in prompts]
-    if not tokenizer.chat_template:
-        if any(conversational):
-            raise UsageError("conversational pairs (lists of messages) need a tokenizer with a chat template")
-        return [p + c for p, c in zip(prompts, completions)], False
-    chats = [
-        p + c if isinstance(p, list) else [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-        for p, c in zip(prompts, completions)
-    ]
-    return tokenizer.apply_chat_template(chats, tokenize=False), True
-
-
-def reward_inputs(tokenizer, prompts, completions):
-    """reward_texts tokenised, right-padded: a *ForSequenceClassification model reads each row's score at its last
-    token that is not the pad id. A rendered template already holds its BOS: adding special tokens again would give
-    two, so they are added to plain texts only."""
-    texts, templated = reward_texts(tokenizer, prompts, completions)
-    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=not templated)

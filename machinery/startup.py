@@ -14,6 +14,7 @@ import torch
 from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, threads
 from machinery import distributed as dist
 from machinery.errors import UsageError
+from machinery.learnt_reward import RewardModel
 
 MODEL_FLAGS = ("model", "critic_model", "reward_model")  # the Args fields that name a model, where a script has them
 
@@ -140,7 +141,7 @@ def checkpointing(args, config):
 def load_scorer(args, run, tokenizer, policy):
     """(scorer, eos_ids): the --reward-model, or else the task, that scores completions; the task's prompts checked
     against the tokenizer and the model's context first; the token ids that end a completion."""
-    scorer = models.RewardModel(args.reward_model, run.device, run.dtype) if args.reward_model else run.task
+    scorer = RewardModel(args.reward_model, run.device, run.dtype) if args.reward_model else run.task
     if args.reward_model:
         scorer.check_task(run.task, args.max_new_tokens)
     models.check_vocabulary(tokenizer, run.task, args.model)

@@ -15,9 +15,9 @@ reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a de
     python:FILE.py:FUNC   your reward function FUNC(prompt, completion, answer) from FILE.py, with the
                           examples of its EXAMPLES list, or of a JSONL file: python:FILE.py:FUNC@DATA.jsonl
 
-copy and arithmetic use only the characters of models.TINY_CHARS, so the built-in tiny model can read them;
+copy and arithmetic use only the characters of tiny_model.TINY_CHARS, so the built-in tiny model can read them;
 the others are meant for hub models. The reward functions are in tasks/rewards.py; reading and checking your
-own files is in tasks/user.py; the order prompts are drawn in is common.PromptSampler's.
+own files is in tasks/user.py; the order prompts are drawn in is that of PromptSampler (machinery/batches.py).
 """
 
 import inspect

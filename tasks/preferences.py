@@ -10,7 +10,7 @@
                  implicit prompt). 10% of the prompts are held out, as tasks.split_examples does.
 
 A pair is {"prompt", "chosen", "rejected"} (strings, or lists of messages) and the other fields of its line (a
-`margin`: numbers as int or float); a synthetic one also keeps its gold rewards. models.reward_texts renders a
+`margin`: numbers as int or float); a synthetic one also keeps its gold rewards. learnt_reward.reward_texts renders a
 pair's two halves as the reward model reads them.
 """
 
@@ -20,7 +20,7 @@ import random
 import types
 from decimal import Decimal
 
-from machinery import model_checks, models
+from machinery import learnt_reward, model_checks, models
 from machinery.errors import UsageError, shorten
 from tasks import copy_task, split_examples
 from tasks.rewards import graded_copy_reward
@@ -268,12 +268,14 @@ def check_lengths(tokenizer, pairs, config, model_name):
     for (pair, key), n in zip(halves, chars):
         if n > limit * longest_token:
             too_long(pair, key, f"{n} characters", limit, model_name)
-    texts, templated = models.reward_texts(tokenizer, [""], [""])
+    texts, templated = learnt_reward.reward_texts(tokenizer, [""], [""])
     overhead = len(tokenizer(texts, add_special_tokens=not templated)["input_ids"][0]) + 8  # the template's tokens
     maybe = [(pair, key) for (pair, key), n in zip(halves, chars) if 4 * n + overhead > limit]  # <= 4 bytes a char
     for start in range(0, len(maybe), 256):  # a bounded amount a call: a signal is handled between calls
         part = maybe[start : start + 256]
-        texts, templated = models.reward_texts(tokenizer, [p["prompt"] for p, _ in part], [p[k] for p, k in part])
+        texts, templated = learnt_reward.reward_texts(
+            tokenizer, [p["prompt"] for p, _ in part], [p[k] for p, k in part]
+        )
         for (pair, key), ids in zip(part, tokenizer(texts, add_special_tokens=not templated)["input_ids"]):
             if len(ids) > limit:
                 too_long(pair, key, f"{len(ids)} tokens", limit, model_name)
@@ -290,5 +292,7 @@ def shortest_pair(tokenizer, prompts, sample=256):
     """About the fewest tokens a pair's text has as the reward model reads it: the fewest of the `sample`
     prompts shortest in characters, rendered with an empty completion (the memory bound's length)."""
     shortest = sorted(prompts, key=lambda p: len(json.dumps(p)))[:sample]
-    texts, templated = models.reward_texts(tokenizer, shortest, [[] if isinstance(p, list) else "" for p in shortest])
+    texts, templated = learnt_reward.reward_texts(
+        tokenizer, shortest, [[] if isinstance(p, list) else "" for p in shortest]
+    )
     return max(1, min(len(ids) for ids in tokenizer(texts, add_special_tokens=not templated)["input_ids"]))

@@ -58,15 +58,17 @@ def float32_on_every_cpu():
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from machinery import models
+    from machinery.tiny_model import TINY_MODEL
 
-    return models.load_tokenizer(models.TINY_MODEL)
+    return models.load_tokenizer(TINY_MODEL)
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
     from machinery import models
+    from machinery.tiny_model import TINY_MODEL
 
-    return models.load_causal_lm(models.TINY_MODEL, torch.device("cpu")).eval()
+    return models.load_causal_lm(TINY_MODEL, torch.device("cpu")).eval()
 
 
 def make_small_model(kind="qwen2", seed=0, **overrides):

@@ -17,6 +17,7 @@ import pytest
 import grpo
 import ppo
 from machinery import errors, models
+from machinery.tiny_model import TINY_MODEL
 from tasks import Task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +146,7 @@ def inputs(tmp_path_factory):
     (garbage / "config.json").write_text("{ this is not json")
     files["garbage_model"] = str(garbage)
     files["long_system"] = "x" * 100_000  # one word: each prompt tokenized with it took 0.2 s, in one call for all
-    tiny = models.resolve_model_path(models.TINY_MODEL)
+    tiny = models.resolve_model_path(TINY_MODEL)
     for name in ("templated", "invalid-config", "garbage-weights"):
         shutil.copytree(tiny, tmp / name)
         files[name.replace("-", "_")] = str(tmp / name)

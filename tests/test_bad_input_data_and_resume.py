@@ -252,7 +252,7 @@ def test_a_4mb_prompt_is_refused_before_it_is_tokenized(tiny_tokenizer, tiny_mod
 
 def test_the_length_bound_counts_what_generation_feeds_the_model(tiny_tokenizer, tiny_model):
     """Prompts under the bytes bound are not tokenized; the ones over it are measured as encode_prompts encodes them."""
-    from common import encode_prompts
+    from machinery.generation import encode_prompts
 
     prompts = ["1" * n for n in (1, 100, 240, 251)]
     (length, text), over = models.longest(tiny_tokenizer, prompts, 240, chat_template=True)
@@ -406,7 +406,7 @@ def test_data_changed_since_the_checkpoint(copy, tmp_path):
         UsageError, match=r"was trained on other examples than task 'copy' gives now \(900 training examples\)"
     ):
         checkpoints.load_checkpoint(folder, "grpo", args, changed)
-    sampler = __import__("common").PromptSampler(changed.train, 1)
+    sampler = __import__("machinery.batches").batches.PromptSampler(changed.train, 1)
     with pytest.raises(UsageError, match="trained on other examples"):  # when load_checkpoint had no task
         checkpoints.restore_state(state, None, None, sampler)
 

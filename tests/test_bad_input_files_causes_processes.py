@@ -19,6 +19,7 @@ from test_bad_input_numbers_sizes_models import small_args
 import grpo
 from machinery import checkpoints, dumps, flags, gguf_convert, models
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 from tasks import check_dense
 from tasks import user as user_tasks
 
@@ -32,8 +33,8 @@ def fake_convert(calls, delay=0.0):
         calls.append(folder)
         time.sleep(delay)
         tmp = f"{folder}.tmp{threading.get_ident()}"
-        models.load_causal_lm(models.TINY_MODEL, models.CPU).save_pretrained(tmp)
-        models.load_tokenizer(models.TINY_MODEL).save_pretrained(tmp)
+        models.load_causal_lm(TINY_MODEL, models.CPU).save_pretrained(tmp)
+        models.load_tokenizer(TINY_MODEL).save_pretrained(tmp)
         os.rename(tmp, folder)
 
     return convert
@@ -111,7 +112,7 @@ def test_principle4_extension_case_and_a_folder_named_gguf(tmp_path):
     with pytest.raises(UsageError, match=r"--model '.*SMALL\.GGUF': no such \.gguf file: fix the path"):
         models.resolve_model_path(str(tmp_path / "SMALL.GGUF"))
     folder = tmp_path / "x.gguf"
-    models.load_causal_lm(models.TINY_MODEL, models.CPU).save_pretrained(folder)
+    models.load_causal_lm(TINY_MODEL, models.CPU).save_pretrained(folder)
     assert models.resolve_model_path(str(folder)) == str(folder)  # a folder, loaded as one
 
 

@@ -20,6 +20,7 @@ import grpo
 import ppo
 from machinery import bookkeeping, checkpoints, dumps, models, startup
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL, tiny_model_dir
 from tasks import Task
 from tasks import user as user_tasks
 
@@ -197,12 +198,12 @@ def test_principle1_dynamic_sampling_stops_between_rounds_on_a_signal():
     says a signal came; either way the batch is one step's (prompts_per_step groups)."""
     args = grpo.Args(prompts_per_step=2, group_size=2, dynamic_sampling=True, max_sampling_rounds=100)
     calls = []
-    sample = lambda: calls.append(1) or dict(rewards=torch.ones(4), completion_mask=torch.ones(4, 3))
+    sample = lambda: calls.append(1) or dict(scores=torch.ones(4), completion_mask=torch.ones(4, 3))
     batch, rounds = grpo.dynamic_sampling(sample, args)
-    assert rounds == len(calls) == 100 and len(batch["rewards"]) == 4
+    assert rounds == len(calls) == 100 and len(batch["scores"]) == 4
     calls.clear()
     batch, rounds = grpo.dynamic_sampling(sample, args, stopped=lambda: len(calls) >= 3)
-    assert rounds == len(calls) == 3 and len(batch["rewards"]) == 4
+    assert rounds == len(calls) == 3 and len(batch["scores"]) == 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_principle2_nonfinite_weights_are_never_saved_as_the_final_model(module,
 
 
 def test_principle2_a_checkpoint_is_not_replaced_by_nonfinite_weights(tmp_path, tiny_tokenizer):
-    model = models.load_causal_lm(models.TINY_MODEL, models.CPU)
+    model = models.load_causal_lm(TINY_MODEL, models.CPU)
     folder = str(tmp_path / "run" / "checkpoint")
     checkpoints.save_model(model, tiny_tokenizer, folder)
     with torch.no_grad():
@@ -410,7 +411,7 @@ def test_principle5_a_tokenizer_with_neither_pad_nor_eos(tmp_path, tiny_tokenize
 def test_principle5_a_critic_with_another_vocabulary(tmp_path, tiny_tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    other = tiny_tokenizer.__class__.from_pretrained(models.tiny_model_dir())
+    other = tiny_tokenizer.__class__.from_pretrained(tiny_model_dir())
     other.add_tokens(["<extra>"])
     config = Qwen2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=40

@@ -19,6 +19,7 @@ import ppo
 from machinery import flags as run_flags
 from machinery import model_checks, models, startup
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 
 SMALL = {grpo: dict(prompts_per_step=4, group_size=2), ppo: dict(prompts_per_step=4, num_minibatches=2)}
 
@@ -60,7 +61,7 @@ def test_principle1_fuzz_every_numeric_flag_with_finite_extremes(module, name, v
     if e is not None:
         assert "\n" not in str(e) and not loads and name.replace("_", "-") in str(e), (str(e), loads)
         return
-    start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
+    start, end = models.load_causal_lm(TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in end.values())
     assert any(not torch.equal(start[k], end[k]) for k in start), "done, but the weights did not move"
 
@@ -104,7 +105,7 @@ def test_principle1_the_extremes_allowed_train(module, flags, tmp_path):
         "def f(p, c, a):\n    return float(len(set(c)))\n"
     )
     module.main(small_args(module, tmp_path, task=f"python:{tmp_path / 'r.py'}:f", **flags))
-    start, end = models.load_causal_lm(models.TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
+    start, end = models.load_causal_lm(TINY_MODEL, models.CPU).state_dict(), final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in end.values())
     assert any(not torch.equal(start[k], end[k]) for k in start), f"{flags}: the weights did not move"
 
@@ -350,7 +351,7 @@ def model_of_42m(tmp_path_factory):
         eos_token_id=1,
     )
     Qwen2ForCausalLM(config).save_pretrained(folder)
-    models.load_tokenizer(models.TINY_MODEL).save_pretrained(folder)
+    models.load_tokenizer(TINY_MODEL).save_pretrained(folder)
     return str(folder)
 
 
@@ -396,7 +397,7 @@ def test_principle2_the_defaults_fit():
 
 @pytest.fixture
 def tiny_parts():
-    return models.load_causal_lm(models.TINY_MODEL, models.CPU), models.load_tokenizer(models.TINY_MODEL)
+    return models.load_causal_lm(TINY_MODEL, models.CPU), models.load_tokenizer(TINY_MODEL)
 
 
 def save_bert(folder, head):
@@ -404,7 +405,7 @@ def save_bert(folder, head):
 
     config = BertConfig(vocab_size=25, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     (BertLMHeadModel if head else BertModel)(config).save_pretrained(folder)
-    models.load_tokenizer(models.TINY_MODEL).save_pretrained(folder)
+    models.load_tokenizer(TINY_MODEL).save_pretrained(folder)
     return str(folder)
 
 
@@ -442,7 +443,7 @@ def test_principle3_token_ids_outside_the_embeddings(tiny_parts):
         models.eos_token_ids(model, tokenizer)
     model.generation_config.eos_token_id = 99
     with pytest.raises(UsageError, match=r"the EOS id 99 of .* is outside its 25 embeddings"):
-        models.eos_token_ids(model, models.load_tokenizer(models.TINY_MODEL))
+        models.eos_token_ids(model, models.load_tokenizer(TINY_MODEL))
 
 
 @pytest.mark.parametrize(
@@ -472,7 +473,7 @@ TEMPLATES = {  # chat templates for the tiny tokenizer: one that takes a system 
 def tiny_with_template(folder, template):
     import shutil
 
-    shutil.copytree(models.resolve_model_path(models.TINY_MODEL), folder)
+    shutil.copytree(models.resolve_model_path(TINY_MODEL), folder)
     tokenizer = models.load_tokenizer(str(folder))
     tokenizer.chat_template = TEMPLATES[template]
     tokenizer.save_pretrained(folder)
@@ -498,7 +499,7 @@ def test_principle3_a_system_prompt_nothing_takes_or_too_long_is_refused_before_
 ):
     """Checked once, from the tokenizer and config alone: a 100,000-character one used to be tokenized with each
     of the task's prompts, in one call that held off SIGTERM (no line in 120 s)."""
-    model = tiny_with_template(tmp_path / "m", template) if template else models.TINY_MODEL
+    model = tiny_with_template(tmp_path / "m", template) if template else TINY_MODEL
     monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
     started = time.monotonic()
     with pytest.raises(UsageError, match=expected):

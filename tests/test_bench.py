@@ -86,10 +86,11 @@ def test_step_speed_counts_each_phases_matmuls_and_sharing_the_prompt_cuts_them(
     backward) costs about 3 forwards of the reference; computing each group's prompt once counts fewer FLOPs in
     every phase, on the same completions; the timed passes give a time to every phase."""
     from machinery import models
+    from machinery.tiny_model import TINY_MODEL
 
     step_speed = load_step_speed()
     settings = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, temperature=0.7, micro_batch_size=8, beta=0.04)
-    results = step_speed.phase_table(models.resolve_model_path(models.TINY_MODEL), "copy", settings, repeats=1)
+    results = step_speed.phase_table(models.resolve_model_path(TINY_MODEL), "copy", settings, repeats=1)
     shared, per_row = results["float32"], results["float32, per row"]
     for r in (shared, per_row):
         assert 2.5 < r["flops"]["update"] / r["flops"]["reference"] < 3.1, r["flops"]

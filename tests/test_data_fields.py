@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
 import ppo
-from machinery import checkpoints
+from machinery import batches, checkpoints
 from machinery.errors import UsageError
 from tasks.preferences import load_pairs
 from tasks.user import read_jsonl
@@ -41,13 +40,13 @@ def test_a_pairs_margin_is_kept(tmp_path):
 
 def test_example_fields_one_entry_a_completion():
     examples = [dict(prompt="a", answer="1", margin=0.5, level=1, note="x"), dict(prompt="b", answer="2", level=3)]
-    fields = common.example_fields(examples, 2)
+    fields = batches.example_fields(examples, 2)
     assert fields["level"].tolist() == [1, 1, 3, 3] and fields["level"].dtype == torch.int64
     assert fields["margin"] == [0.5, 0.5, None, None]  # a line lacks it: a list
     assert fields["note"] == ["x", "x", None, None]
-    assert common.example_fields([dict(prompt="a", answer="1", margin=2, w=0.5)], 1)["margin"].dtype == torch.int64
+    assert batches.example_fields([dict(prompt="a", answer="1", margin=2, w=0.5)], 1)["margin"].dtype == torch.int64
     with pytest.raises(UsageError, match="'rewards' is a name the batch uses"):
-        common.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
+        batches.example_fields([dict(prompt="a", answer="1", rewards=1.0)], 1)
 
 
 def test_example_fields_tensor_types_follow_the_values():
@@ -55,7 +54,7 @@ def test_example_fields_tensor_types_follow_the_values():
     number to torch's eyes: a list, as written."""
 
     def field(*values):
-        return common.example_fields([dict(prompt=str(i), answer="1", f=v) for i, v in enumerate(values)], 1)["f"]
+        return batches.example_fields([dict(prompt=str(i), answer="1", f=v) for i, v in enumerate(values)], 1)["f"]
 
     assert field(True, False).dtype == torch.bool and field(True, False).tolist() == [True, False]
     assert field(1, 0.5).dtype == torch.float32 and field(1, 0.5).tolist() == [1.0, 0.5]
@@ -65,12 +64,12 @@ def test_example_fields_tensor_types_follow_the_values():
 def test_example_fields_keep_an_int_past_int64_as_a_list():
     """JSON's integers have no bound; int64's is 2**63 - 1: up to it (either sign) a tensor, from 2**63 a list."""
     for largest in (2**63 - 1, -(2**63 - 1)):
-        fields = common.example_fields(
+        fields = batches.example_fields(
             [dict(prompt="a", answer="1", level=largest), dict(prompt="b", answer="2", level=1)], 1
         )
         assert fields["level"].dtype == torch.int64 and fields["level"].tolist() == [largest, 1]
     for past in (2**63, -(2**63) - 1, 2**64):
-        fields = common.example_fields(
+        fields = batches.example_fields(
             [dict(prompt="a", answer="1", level=past), dict(prompt="b", answer="2", level=1)], 1
         )
         assert fields["level"] == [past, 1]

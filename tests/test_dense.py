@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 import common
 import grpo
 import ppo
-from machinery import models, scoring
+from machinery import generation, models, scoring
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 from tasks import Task, load_task
 from tasks.rewards import copy_dense_reward, copy_reward
 
@@ -246,8 +247,8 @@ def dense_task(monkeypatch, fn):
 
 
 def stored_completions(d):
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
-    completions = common.decode_completions(
+    tokenizer = models.load_tokenizer(TINY_MODEL)
+    completions = generation.decode_completions(
         tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id]
     )
     return tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True), completions
@@ -293,7 +294,7 @@ def test_ppo_reward_holds_each_value_at_its_token(tmp_path, monkeypatch):
     )
     d = load_file(dump / "step000001.safetensors")
     prompts, completions = stored_completions(d)
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     expected = torch.zeros_like(d["rewards"])
     for row, (p, c) in enumerate(zip(prompts, completions)):
         # Which token writes each character: decode the tokens one by one (a sampled <pad> writes 5 characters).

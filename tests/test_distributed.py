@@ -18,8 +18,9 @@ import common
 import grpo
 import ppo
 from machinery import distributed as dist
-from machinery import dumps, models, prompt_cache
+from machinery import dumps, generation, models, prompt_cache
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = """EXAMPLES = [{"prompt": f"{i:03d}=", "answer": "7"} for i in range(200)]
@@ -119,7 +120,7 @@ def test_bad_launch_under_torchrun_prints_its_line_once():
 def fixed_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_ids, greedy=False, chat_template=True):
     """Completions drawn from each prompt's own seed (the j-th copy of a prompt: its j-th draw), so a prompt gets
     the same completions on whichever process it lands. Some end with EOS, some do not."""
-    enc = common.encode_prompts(tokenizer, prompts, chat_template)
+    enc = generation.encode_prompts(tokenizer, prompts, chat_template)
     rows, copies = [], {}
     for prompt in prompts:
         copies[prompt] = copies.get(prompt, -1) + 1
@@ -130,7 +131,7 @@ def fixed_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos_i
             ids[length - 1], ids[length:] = eos_ids[0], tokenizer.pad_token_id
         rows.append(ids)
     completion_ids = torch.stack(rows)
-    return enc["input_ids"], enc["attention_mask"], completion_ids, common.mask_after_eos(completion_ids, eos_ids)
+    return enc["input_ids"], enc["attention_mask"], completion_ids, generation.mask_after_eos(completion_ids, eos_ids)
 
 
 GRPO_CONFIGS = [dict(scale_rewards="batch", loss_agg=agg) for agg in grpo.LOSS_AGGREGATIONS] + [
@@ -220,7 +221,7 @@ def test_two_processes_update_as_one(tmp_path, monkeypatch, digits_task, script,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    initial = load_file(os.path.join(models.resolve_model_path(models.TINY_MODEL), "model.safetensors"))  # built once
+    initial = load_file(os.path.join(models.resolve_model_path(TINY_MODEL), "model.safetensors"))  # built once
     torch.multiprocessing.spawn(_process, args=(port, script, digits_task, configs, str(tmp_path / "two")), nprocs=2)
     run_updates(script, digits_task, configs, str(tmp_path / "one"), monkeypatch.setattr)
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 import common
 import grpo
 import ppo
-from machinery import models, scoring
+from machinery import generation, models, scoring
+from machinery.tiny_model import TINY_MODEL
 from tasks import load_task
 
 ATOL = 1e-6
@@ -35,9 +36,9 @@ def full_ids(d):
 
 def check_scores(d, scores):
     """The copy task's score of each stored completion, from the decoded ids: "123=" -> "123" scores 1."""
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     prompts = tokenizer.batch_decode(d["prompt_ids"], skip_special_tokens=True)
-    completions = common.decode_completions(
+    completions = generation.decode_completions(
         tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id]
     )
     expected = load_task("copy").score(prompts, completions, [p.removesuffix("=") for p in prompts])
@@ -107,7 +108,7 @@ def test_grpo_dump_recomputes(variant, tmp_path):
 
     # Step 1 sampled from the initial model, which is also the reference.
     meta, d = read_dump(dump_dir, 1)
-    initial = logprobs_of(models.TINY_MODEL, d, meta["args"]["temperature"])
+    initial = logprobs_of(TINY_MODEL, d, meta["args"]["temperature"])
     close(d["old_logp"], initial)
     if meta["args"]["num_iterations"] == 1:
         close(d["new_logp"], initial)
@@ -123,7 +124,7 @@ def test_grpo_dump_of_a_changed_model_is_not_the_initial_one(tmp_path):
     )
     grpo.main(grpo.Args(**fields, output_dir=str(tmp_path / "runs"), dump_dir=dump_dir))
     meta, d = read_dump(dump_dir, 2)
-    initial = logprobs_of(models.TINY_MODEL, d, meta["args"]["temperature"])
+    initial = logprobs_of(TINY_MODEL, d, meta["args"]["temperature"])
     assert (d["new_logp"] - initial).abs().max() > 1e-3
 
 
@@ -223,8 +224,8 @@ def test_ppo_dump_recomputes(variant, tmp_path):
     ppo.main(ppo.Args(num_steps=1, save_every=1, **fields))
     (checkpoint,) = glob.glob(str(tmp_path / "runs" / "*" / "checkpoint"))
     ppo.main(ppo.Args(num_steps=2, resume=checkpoint, **fields))  # save_every 0: the step-1 checkpoint stays
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
-    eos_ids = models.eos_token_ids(models.load_causal_lm(models.TINY_MODEL, torch.device("cpu")), tokenizer)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
+    eos_ids = models.eos_token_ids(models.load_causal_lm(TINY_MODEL, torch.device("cpu")), tokenizer)
 
     for step in (1, 2):
         meta, d = read_dump(dump_dir, step)
@@ -234,12 +235,12 @@ def test_ppo_dump_recomputes(variant, tmp_path):
 
     meta, d = read_dump(dump_dir, 1)
     temperature = meta["args"]["temperature"]
-    close(d["old_logp"], logprobs_of(models.TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
+    close(d["old_logp"], logprobs_of(TINY_MODEL, d, temperature))  # step 1 sampled from the initial model
 
     meta, d = read_dump(dump_dir, 2)
     close(d["old_logp"], logprobs_of(os.path.join(checkpoint, "policy"), d, temperature))
     if meta["args"]["kl_coef"] > 0:
-        close(d["ref_logp"], logprobs_of(models.TINY_MODEL, d, temperature))
+        close(d["ref_logp"], logprobs_of(TINY_MODEL, d, temperature))
     else:
         assert torch.equal(d["ref_logp"], d["old_logp"])  # no reference: the penalty is 0
     critic = ppo.load_critic(os.path.join(checkpoint, "critic"), torch.device("cpu"))
@@ -265,4 +266,4 @@ def test_ppo_dumped_entropy_is_the_full_softmax_entropy(tmp_path):
         )
     )
     meta, d = read_dump(dump_dir, 1)
-    close(d["entropy"], entropy_of(models.TINY_MODEL, d, meta["args"]["temperature"], d["micro_index"]))
+    close(d["entropy"], entropy_of(TINY_MODEL, d, meta["args"]["temperature"], d["micro_index"]))

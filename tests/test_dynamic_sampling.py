@@ -7,6 +7,7 @@ import torch
 
 import common
 import grpo
+from machinery import batches
 
 
 def fake_round(rewards, prompt_width, completion_width, tag):
@@ -20,21 +21,21 @@ def fake_round(rewards, prompt_width, completion_width, tag):
         prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
         completion_ids=ids.expand(n, completion_width).clone(),
         completion_mask=torch.ones(n, completion_width, dtype=torch.long),
-        rewards=torch.tensor(rewards),
+        scores=torch.tensor(rewards),
     )
 
 
 def test_concat_batches_pads_prompts_left_and_completions_right():
     a, b = fake_round([0.0, 1.0], 3, 2, tag=1), fake_round([1.0], 1, 4, tag=2)
-    joined = common.concat_batches(a, b)
+    joined = batches.concat_batches(a, b)
     assert joined["prompts"] == ["p1.0", "p1.1", "p2.0"]
     assert joined["prompt_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1]]  # left padding
     assert joined["prompt_ids"][2].tolist() == [0, 0, 200]
     assert joined["completion_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]  # right padding
     assert joined["completion_ids"][0].tolist() == [100, 100, 0, 0]
-    assert joined["rewards"].tolist() == [0.0, 1.0, 1.0]
+    assert joined["scores"].tolist() == [0.0, 1.0, 1.0]
     picked = common.select_rows(joined, torch.tensor([2, 0]))
-    assert picked["completions"] == ["c2.0", "c1.0"] and picked["rewards"].tolist() == [1.0, 0.0]
+    assert picked["completions"] == ["c2.0", "c1.0"] and picked["scores"].tolist() == [1.0, 0.0]
 
 
 def run_dynamic_sampling(rounds, prompts_per_step=2, group_size=2, max_rounds=3):
@@ -62,7 +63,7 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ():
     batch, drawn = run_dynamic_sampling([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
     assert drawn == 2
     assert batch["prompts"] == ["p1.2", "p1.3", "p2.2", "p2.3"]  # the two informative groups, in order
-    assert batch["rewards"].view(-1, 2).std(1).gt(0).all()
+    assert batch["scores"].view(-1, 2).std(1).gt(0).all()
     assert batch["completion_ids"].shape == (4, 4)  # round 2's width; round 1's rows padded on the right
     assert batch["completion_mask"][:2].sum(1).tolist() == [3, 3]
 
@@ -72,7 +73,7 @@ def test_dynamic_sampling_fills_with_equal_groups_after_the_last_round():
         [[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]], max_rounds=2
     )
     assert drawn == 2
-    assert len(batch["rewards"]) == 4  # always prompts_per_step groups: the step's shapes never change
+    assert len(batch["scores"]) == 4  # always prompts_per_step groups: the step's shapes never change
     assert batch["prompts"][:2] == ["p2.0", "p2.1"]  # the one informative group first, then the first equal one
     assert batch["prompts"][2:] == ["p1.0", "p1.1"]
 
@@ -109,9 +110,9 @@ def test_dynamic_sampling_keeps_the_groups_counted_by_hand(prompts_per_step, gro
         assert batch["completions"] == [p.replace("p", "c") for p in rows]
         ids = [100 * int(tag) + int(row) for tag, row in (p[1:].split(".") for p in rows)]
         assert batch["completion_ids"][:, 0].tolist() == ids  # the tensors picked the same rows as the lists
-        assert batch["rewards"].tolist() == [rounds[i // 100 - 1][i % 100] for i in ids]
+        assert batch["scores"].tolist() == [rounds[i // 100 - 1][i % 100] for i in ids]
         seen_rounds.add(drawn)
-        fills += not batch["rewards"].view(-1, group_size).std(1).gt(0).all()
+        fills += not batch["scores"].view(-1, group_size).std(1).gt(0).all()
     assert seen_rounds == {1, 2, 3} and fills > 0  # the scripts stopped after each number of rounds, and some filled
 
 

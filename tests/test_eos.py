@@ -5,8 +5,7 @@ import types
 
 import torch
 
-import common
-from machinery import models
+from machinery import generation, models
 
 
 def test_decoding_strips_each_of_two_eos_ids(tiny_tokenizer):
@@ -15,9 +14,9 @@ def test_decoding_strips_each_of_two_eos_ids(tiny_tokenizer):
     digits = tiny_tokenizer.convert_tokens_to_ids(list("123"))
     ids = torch.tensor([digits + [eq], digits + [eos], digits[:2] + [eq, 0], digits + [eos]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0]])
-    texts = common.decode_completions(tiny_tokenizer, ids, mask, [eos, eq])
+    texts = generation.decode_completions(tiny_tokenizer, ids, mask, [eos, eq])
     assert texts == ["123", "123", "12", "123"]
-    assert common.decode_completions(tiny_tokenizer, ids[:1], mask[:1], [eos]) == ["123="]  # '=' alone is text
+    assert generation.decode_completions(tiny_tokenizer, ids[:1], mask[:1], [eos]) == ["123="]  # '=' alone is text
 
 
 def test_the_tokenizers_eos_joins_the_generation_configs(monkeypatch):

@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 import common
 import grpo
 import ppo
-from machinery import errors, models, precision
+from machinery import errors, generation, learnt_reward, models, precision
 from tasks import rewards
 
 CPU = torch.device("cpu")
@@ -76,7 +76,7 @@ def test_the_reward_model_sees_one_bos(tmp_path):
     folder = str(tmp_path / "rm")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    scorer = models.RewardModel(folder, CPU, torch.float32)
+    scorer = learnt_reward.RewardModel(folder, CPU, torch.float32)
     (score,) = scorer.score(["what is 2+2?"], ["4"], [""])
 
     text = "<s>[user] what is 2+2?\n[assistant] 4\n"
@@ -103,8 +103,8 @@ def test_the_reward_sees_every_token_but_the_first_eos_and_after(tiny_tokenizer)
             [eos, d["1"], d["2"], d["3"], eos],  # EOS first: the empty string
         ]
     )
-    completion_mask = common.mask_after_eos(completion_ids, [eos])
-    texts = common.decode_completions(t, completion_ids, completion_mask, [eos])
+    completion_mask = generation.mask_after_eos(completion_ids, [eos])
+    texts = generation.decode_completions(t, completion_ids, completion_mask, [eos])
     assert texts == ["123", "1<pad>23", "123<unk><pad>", ""]
     assert [rewards.copy_reward("123=", text, "123") for text in texts] == [
         1.0,

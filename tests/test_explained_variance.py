@@ -8,9 +8,9 @@ import os
 from safetensors.torch import load_file
 from test_reproducibility import logged_scalars, only_run_dir
 
-import common
 import grpo
-from machinery import models
+from machinery import generation, models
+from machinery.tiny_model import TINY_MODEL
 
 
 def explained_variance_by_loop(rewards, group_size):
@@ -31,9 +31,9 @@ def informative_share_by_loop(rewards, group_size):
 def printed_lines(d, step, rows, scores="rewards"):
     """What --sample-every prints for these rows of a dumped step: prompt, completion and score (the task's:
     GRPO's rewards, PPO's scores)."""
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     prompts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(d["prompt_ids"], d["prompt_mask"])]
-    completions = common.decode_completions(
+    completions = generation.decode_completions(
         tokenizer, d["completion_ids"], d["completion_mask"], [tokenizer.eos_token_id]
     )
     return [f"step {step} | {prompts[i]!r} -> {completions[i]!r} | score {d[scores][i].item():.2f}" for i in rows]

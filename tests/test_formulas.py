@@ -8,6 +8,7 @@ import torch
 import common
 import grpo
 import ppo
+from machinery import generation
 
 # ---------------------------------------------------------------------------------------------------
 # KL estimators
@@ -202,14 +203,14 @@ def test_mask_after_eos():
         ]
     )
     expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
-    assert torch.equal(common.mask_after_eos(ids, [EOS]), expected)
+    assert torch.equal(generation.mask_after_eos(ids, [EOS]), expected)
 
 
 @pytest.mark.exact
 def test_mask_after_eos_with_several_eos_ids():
     ids = torch.tensor([[5, 2, 6, 1, 7], [5, 6, 1, 2, 7], [5, 6, 7, 8, 9]])
     expected = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    assert torch.equal(common.mask_after_eos(ids, [1, 2]), expected)
+    assert torch.equal(generation.mask_after_eos(ids, [1, 2]), expected)
 
 
 @pytest.mark.exact
@@ -218,7 +219,7 @@ def test_mask_after_eos_when_pad_is_eos():
     EOS = PAD = 1
     ids = torch.tensor([[5, 6, EOS, PAD, PAD], [5, EOS, PAD, PAD, PAD], [5, 6, 7, 8, 9]])
     expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
-    assert torch.equal(common.mask_after_eos(ids, [EOS]), expected)
+    assert torch.equal(generation.mask_after_eos(ids, [EOS]), expected)
 
 
 @pytest.mark.exact

@@ -1,4 +1,4 @@
-"""common.generate with the built-in tiny model: the completion mask, pad == EOS, and whose settings sample."""
+"""generation.generate with the built-in tiny model: the completion mask, pad == EOS, and whose settings sample."""
 
 import copy
 
@@ -7,7 +7,8 @@ import torch
 from conftest import make_small_model
 
 import common
-from machinery import models
+from machinery import generation, models
+from machinery.tiny_model import TINY_MODEL
 
 PROMPTS = ["12=", "3=", "456=", "7="] * 8
 
@@ -27,7 +28,7 @@ def first_eos_mask(completion_ids, eos_ids):
 def test_completion_mask_is_zero_after_the_first_eos(tiny_model, tiny_tokenizer):
     eos_ids = models.eos_token_ids(tiny_model, tiny_tokenizer)
     torch.manual_seed(0)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+    prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
         tiny_model, tiny_tokenizer, PROMPTS, 12, 1.0, eos_ids
     )
     assert prompt_ids.shape == prompt_mask.shape == (len(PROMPTS), 4)
@@ -44,7 +45,9 @@ def test_generate_when_pad_is_eos(tiny_model, tiny_tokenizer):
     eos_ids = models.eos_token_ids(tiny_model, tokenizer)
     assert tokenizer.pad_token_id in eos_ids
     torch.manual_seed(0)
-    _, prompt_mask, completion_ids, completion_mask = common.generate(tiny_model, tokenizer, PROMPTS, 12, 1.0, eos_ids)
+    _, prompt_mask, completion_ids, completion_mask = generation.generate(
+        tiny_model, tokenizer, PROMPTS, 12, 1.0, eos_ids
+    )
     assert prompt_mask[1].tolist() == [0, 0, 1, 1]
     assert torch.equal(completion_mask, first_eos_mask(completion_ids, eos_ids))
     # Finished rows are filled with pad = EOS; only the first EOS of a row counts as a real token.
@@ -57,7 +60,7 @@ def test_completions_start_after_the_prompt_when_every_row_stops_early(tiny_mode
     (6, not the prompt width 4 either) and the completion is the one column after the prompt: greedy, the argmax
     of the model's last prompt logits."""
     eos_ids = list(range(tiny_model.config.vocab_size))
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+    prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
         tiny_model, tiny_tokenizer, PROMPTS[:4], 6, 1.0, eos_ids, greedy=True
     )
     assert prompt_ids.shape == (4, 4) and completion_ids.shape == completion_mask.shape == (4, 1)
@@ -78,7 +81,7 @@ def test_samples_follow_softmax_of_logits_over_temperature(tiny_tokenizer, tempe
     """The first completion token of 4000 copies of one prompt is distributed as softmax(logits / temperature)."""
     model = make_small_model()  # sharp logits: the two temperatures give distributions 0.2 apart
     torch.manual_seed(0)
-    *_, completion_ids, _ = common.generate(model, tiny_tokenizer, ["12="] * 4000, 1, temperature, [1])
+    *_, completion_ids, _ = generation.generate(model, tiny_tokenizer, ["12="] * 4000, 1, temperature, [1])
     prompt_ids = tiny_tokenizer(["12="], return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         logits = model(prompt_ids).logits[0, -1]
@@ -92,7 +95,7 @@ def test_samples_are_not_cut_to_the_top_k(tiny_tokenizer):
     """transformers keeps only the top 50 tokens unless told otherwise; the log-probs assume all of them."""
     model = make_small_model(vocab_size=100, initializer_range=0.02)  # nearly uniform over 100 tokens
     torch.manual_seed(0)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+    prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
         model, tiny_tokenizer, ["12=", "3="] * 8, 6, 1.0, [1]
     )
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
@@ -107,21 +110,21 @@ def test_samples_are_not_cut_to_the_top_k(tiny_tokenizer):
 
 
 def test_sampling_ignores_the_models_suppress_tokens(tiny_tokenizer):
-    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(TINY_MODEL, torch.device("cpu"))
     seven = tiny_tokenizer.convert_tokens_to_ids("7")
     model.generation_config.suppress_tokens = [i for i in range(len(tiny_tokenizer)) if i != seven]
     torch.manual_seed(0)
-    *_, completion_ids, _ = common.generate(
+    *_, completion_ids, _ = generation.generate(
         model, tiny_tokenizer, PROMPTS, 5, 1.0, models.eos_token_ids(model, tiny_tokenizer)
     )
     assert (completion_ids != seven).any()  # 160 tokens all "7" from the model's own distribution: never
 
 
 def test_sampling_ignores_the_models_no_repeat_ngram_size(tiny_tokenizer):
-    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(TINY_MODEL, torch.device("cpu"))
     model.generation_config.no_repeat_ngram_size = 1  # would ban every token already in the row
     torch.manual_seed(0)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+    prompt_ids, prompt_mask, completion_ids, completion_mask = generation.generate(
         model, tiny_tokenizer, PROMPTS, 8, 1.0, models.eos_token_ids(model, tiny_tokenizer)
     )
     rows = [
@@ -132,10 +135,10 @@ def test_sampling_ignores_the_models_no_repeat_ngram_size(tiny_tokenizer):
 
 
 def test_greedy_ignores_the_models_do_sample(tiny_tokenizer):
-    model = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
+    model = models.load_causal_lm(TINY_MODEL, torch.device("cpu"))
     model.generation_config.do_sample = True  # as in Qwen2.5-Instruct's generation_config.json
     torch.manual_seed(0)
-    *_, completion_ids, _ = common.generate(
+    *_, completion_ids, _ = generation.generate(
         model, tiny_tokenizer, ["12="] * 8, 6, 1.0, models.eos_token_ids(model, tiny_tokenizer), greedy=True
     )
     assert (completion_ids == completion_ids[0]).all()  # greedy: the same prompt gives the same completion

@@ -259,3 +259,32 @@ def test_verifys_notes_read_what_the_loss_clipped():
     cispo = conditions(torch.zeros(2, 3, dtype=torch.bool))
     assert not cispo["a token the loss clipped, its ratio below 1"]
     assert not cispo["a token the loss clipped, its ratio above 1"]
+
+
+def test_a_forks_new_loss_terms_reach_the_logs_by_their_names(tmp_path, monkeypatch):
+    """A fork adding a KL-Cov-like penalty ([n, T]) and the count of tokens it hit (no dimension) in compute_loss
+    only: both reach TensorBoard under losses/, the penalty as a token mean over the update's micro-batches and the
+    count summed over them, with no edit outside grpo.py."""
+    import glob
+
+    from test_loop_wiring import logged_scalars
+
+    plain, seen = grpo.compute_loss, []
+
+    def compute_loss(outputs, batch, args):
+        loss, terms = plain(outputs, batch, args)
+        mask = batch["completion_mask"]
+        hit = (outputs["new_logp"].detach() < -2.5) & mask.bool()  # the tokens the penalty hits
+        penalty = 0.1 * hit.float() * outputs["new_logp"].detach() ** 2
+        seen.append(((penalty * mask).sum().item(), mask.sum().item(), hit.sum().item()))
+        return loss, dict(terms, kl_cov=penalty, kl_cov_tokens=hit.sum())
+
+    monkeypatch.setattr(grpo, "compute_loss", compute_loss)
+    flags = dict(seed=1, num_steps=1, prompts_per_step=4, group_size=4, micro_batch_size=5, sample_every=0)
+    grpo.main(grpo.Args(**flags, output_dir=str(tmp_path)))
+    scalars = logged_scalars(glob.glob(str(tmp_path / "*"))[0])
+    assert len(seen) == 4  # 16 completions in micro-batches of 5, 5, 5, 1
+    penalty, tokens, hits = (sum(values) for values in zip(*seen))
+    assert scalars["losses/kl_cov"][1] == pytest.approx(penalty / tokens, rel=1e-5)
+    assert scalars["losses/kl_cov_tokens"][1] == hits and hits > 0
+    assert "losses/policy_loss" in scalars and "losses/loss" not in scalars and "losses/mask" not in scalars

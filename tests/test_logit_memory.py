@@ -11,6 +11,7 @@ from test_logprobs import assert_grad_close, plain_logprobs, ragged_batch
 import common
 import grpo
 from machinery import model_checks, output_head
+from machinery.tiny_model import TINY_MODEL
 
 
 def head_output_positions(model):
@@ -191,7 +192,7 @@ def test_checkpointing_auto_leaves_a_small_step_alone():
 
     from machinery import models
 
-    config = AutoConfig.from_pretrained(models.resolve_model_path(models.TINY_MODEL))
+    config = AutoConfig.from_pretrained(models.resolve_model_path(TINY_MODEL))
     args = grpo.Args(max_new_tokens=20)
     assert model_checks.activation_bytes(args, config) > model_checks.step_bytes(args, config)[0]
     assert not model_checks.choose_checkpointing(args, config)[0]

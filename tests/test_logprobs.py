@@ -8,7 +8,7 @@ from conftest import make_small_model
 import common
 import grpo
 import ppo
-from machinery import precision
+from machinery import generation, precision
 
 PAD = 0
 
@@ -108,17 +108,17 @@ def test_a_shared_prompt_samples_the_same_completions(tiny_model, tiny_tokenizer
     from machinery import prompt_cache
 
     prompts = [p for p in ("12+7=", "3=", "456+1=") for _ in range(4)]
-    ids, mask = common.encode_prompts(tiny_tokenizer, prompts).values()
+    ids, mask = generation.encode_prompts(tiny_tokenizer, prompts).values()
     assert (
         prompt_cache.shared_prompt_cache(tiny_model, ids, mask, common.position_ids_from_mask(mask), ids.shape[1])
         is not None
     )
     torch.manual_seed(0)
-    shared = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
+    shared = generation.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
     every_row = lambda ids, mask: (torch.arange(len(ids)), torch.arange(len(ids)))
     monkeypatch.setattr(prompt_cache, "prompt_runs", every_row)  # no two rows share: the plain path
     torch.manual_seed(0)
-    plain = common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
+    plain = generation.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, [tiny_tokenizer.eos_token_id])
     for a, b in zip(shared, plain):
         assert torch.equal(a, b)
     assert len({tuple(row) for row in shared[2].tolist()}) > 3  # sampled, not all alike
@@ -387,7 +387,7 @@ def test_plain_attention_computes_what_sdpa_does(small_model, tiny_model, tiny_t
     for kernel in ("sdpa", "eager"):
         tiny_model.set_attn_implementation(kernel)
         torch.manual_seed(0)
-        samples.append(common.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, eos))
+        samples.append(generation.generate(tiny_model, tiny_tokenizer, prompts, 6, 1.0, eos))
     tiny_model.set_attn_implementation("sdpa")
     for a, b in zip(*samples):
         assert torch.equal(a, b)

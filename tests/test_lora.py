@@ -14,12 +14,9 @@ pytest.importorskip("peft", reason="peft is not installed (pip install -r requir
 import common  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
-from machinery import (
-    checkpoints,  # noqa: E402
-    lora,  # noqa: E402
-    models,  # noqa: E402
-)
+from machinery import checkpoints, lora, models  # noqa: E402
 from machinery.errors import UsageError  # noqa: E402
+from machinery.tiny_model import TINY_MODEL
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -79,7 +76,7 @@ def test_reference_stays_the_base_model(script, tmp_path):
         SCRIPTS[script].main(args)
     assert len(loads) == (1 if script == "grpo" else 2)  # the policy (and PPO's critic), no reference
     d = dumped(tmp_path / "dump")[-1]
-    base = models.load_causal_lm(models.TINY_MODEL, models.CPU)
+    base = models.load_causal_lm(TINY_MODEL, models.CPU)
     assert torch.equal(logprobs(base, d), d["ref_logp"])
     policy_logp = d["new_logp"] if script == "grpo" else d["old_logp"]
     assert (policy_logp - d["ref_logp"]).abs().max() > 1e-3  # the policy did move
@@ -107,7 +104,7 @@ def test_saved_adapters_and_merged_model_are_the_last_policy(script, tmp_path, m
     d = dumped(tmp_path / "dump")[-1]
     expected = logprobs(last["final"], d)
     assert (expected - d["ref_logp"]).abs().max() > 1e-3  # trained: the adapters matter
-    adapted = PeftModel.from_pretrained(models.load_causal_lm(models.TINY_MODEL, models.CPU), final)
+    adapted = PeftModel.from_pretrained(models.load_causal_lm(TINY_MODEL, models.CPU), final)
     torch.testing.assert_close(logprobs(adapted, d), expected, rtol=0, atol=1e-6)
     merged = AutoModelForCausalLM.from_pretrained(final + "-merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -154,7 +151,7 @@ def test_ppo_critic_has_its_own_frozen_base(tmp_path, monkeypatch):
     assert trained and all("lora_" in name or name.startswith("value_head.") for name in trained)
     assert all("lora_" in name for name, p in policy.named_parameters() if p.requires_grad)
     assert not {p.data_ptr() for p in policy.parameters()} & {p.data_ptr() for p in critic.parameters()}
-    base = models.load_backbone(models.TINY_MODEL, models.CPU).state_dict()
+    base = models.load_backbone(TINY_MODEL, models.CPU).state_dict()
     frozen = {
         k.removeprefix("backbone.").replace(".base_layer", ""): v
         for k, v in critic.state_dict().items()

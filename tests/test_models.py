@@ -31,8 +31,9 @@ from transformers import (
 import common
 import grpo
 import ppo
-from machinery import flags, models, precision
+from machinery import flags, generation, learnt_reward, models, precision
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_CHARS, TINY_MODEL
 
 CPU = torch.device("cpu")
 CHAT_TEMPLATE = (
@@ -160,8 +161,8 @@ def test_load_tokenizer_and_causal_lm_give_back_what_was_saved(lm):
 def test_tiny_tokenizer_reads_its_characters_and_nothing_else(tiny_tokenizer):
     """The built-in tiny model is a qwen2 whose tokenizer is character-level: it must not be rebuilt as
     Qwen's byte-level BPE on loading, which drops the space and every unknown character without a trace."""
-    ids = tiny_tokenizer(models.TINY_CHARS, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(models.TINY_CHARS) and tiny_tokenizer.decode(ids) == models.TINY_CHARS
+    ids = tiny_tokenizer(TINY_CHARS, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(TINY_CHARS) and tiny_tokenizer.decode(ids) == TINY_CHARS
     assert tiny_tokenizer.unk_token_id in tiny_tokenizer("Using 1", add_special_tokens=False)["input_ids"]
 
 
@@ -174,14 +175,14 @@ def test_encode_prompts_applies_the_chat_template_or_not(lm):
     folder, _, tokenizer = lm
     loaded = models.load_tokenizer(folder)
     prompts = ["12+3=", "What is 2 plus 2?"]
-    with_template = common.encode_prompts(loaded, prompts, chat_template=True)
+    with_template = generation.encode_prompts(loaded, prompts, chat_template=True)
     expected = tokenizer(f"<|im_start|>user\n{prompts[1]}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
     assert with_template["input_ids"][1].tolist() == expected
     assert expected[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     short = with_template["input_ids"][0][with_template["attention_mask"][0].bool()].tolist()
     assert short == tokenizer(f"<|im_start|>user\n{prompts[0]}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
     assert with_template["input_ids"][0, 0] == tokenizer.pad_token_id  # left padded
-    raw = common.encode_prompts(loaded, prompts, chat_template=False)
+    raw = generation.encode_prompts(loaded, prompts, chat_template=False)
     assert raw["input_ids"][1].tolist() == tokenizer(prompts[1])["input_ids"]
     assert raw["input_ids"][0][raw["attention_mask"][0].bool()].tolist() == tokenizer(prompts[0])["input_ids"]
 
@@ -235,9 +236,9 @@ def test_a_system_prompt_is_counted_and_one_the_template_refuses_is_named(tmp_pa
     with pytest.raises(
         UsageError, match=r"takes no system prompt \(TemplateError: System role not supported\): drop --system-prompt"
     ):
-        common.encode_prompts(tokenizer, ["What is 1 plus 2?"])
+        generation.encode_prompts(tokenizer, ["What is 1 plus 2?"])
     tokenizer.system_prompt = None
-    assert common.encode_prompts(tokenizer, ["What is 1 plus 2?"])["input_ids"].tolist() == [
+    assert generation.encode_prompts(tokenizer, ["What is 1 plus 2?"])["input_ids"].tolist() == [
         tokenizer("x")["input_ids"]
     ]
 
@@ -273,10 +274,12 @@ def test_grpo_runs_on_a_saved_model_and_its_final_model_generates(lm, jsonl_task
     tokenizer, model = AutoTokenizer.from_pretrained(final), AutoModelForCausalLM.from_pretrained(final)
     tokenizer.padding_side = "left"
     eos_ids = models.eos_token_ids(model, tokenizer)
-    _, _, completion_ids, completion_mask = common.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
+    _, _, completion_ids, completion_mask = generation.generate(
+        model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids
+    )
     assert completion_ids.shape == (1, 4) or completion_mask[0, -1] == 1  # 4 tokens, or fewer ending in EOS
     assert completion_mask.sum() >= 1
-    assert isinstance(common.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)[0], str)
+    assert isinstance(generation.decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)[0], str)
 
 
 @pytest.mark.exact
@@ -400,7 +403,7 @@ def reward_model(request, models_dir):
 
 def test_reward_model_scores_the_retokenised_text(reward_model):
     folder, model, tokenizer = reward_model
-    scorer = models.RewardModel(folder, CPU, torch.float32)
+    scorer = learnt_reward.RewardModel(folder, CPU, torch.float32)
     prompts = ["What is 2 plus 2?", "12+3=", "x"]
     completions = [" 4, I think.", "15", ""]
     scores = scorer.score(prompts, completions, ["4", "15", ""])
@@ -420,7 +423,7 @@ def test_reward_model_scores_the_retokenised_text(reward_model):
 def test_reward_model_with_two_outputs_is_a_usage_error(tmp_path):
     save_reward_model(str(tmp_path), num_labels=2)
     with pytest.raises(UsageError, match="has 2 outputs: a reward model has 1"):
-        models.RewardModel(str(tmp_path), CPU, torch.float32)
+        learnt_reward.RewardModel(str(tmp_path), CPU, torch.float32)
 
 
 def test_grpo_runs_with_a_reward_model(qwen2_dir, jsonl_task, models_dir, tmp_path):
@@ -467,7 +470,7 @@ def test_generation_turns_gradient_checkpointing_off_and_back_on(qwen2_dir):
 
     model.generate = spy
     eos_ids = models.eos_token_ids(model, tokenizer)
-    common.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
+    generation.generate(model, tokenizer, ["What is 1 plus 1?"], 4, 1.0, eos_ids)
     assert seen == [(False, False, False)]
     assert model.is_activation_checkpointing and all(checkpointing_flags(model)) and model.training
 
@@ -560,7 +563,7 @@ def test_the_lm_head_reads_a_contiguous_input_trainable_or_frozen():
     policy and its frozen reference alike, is given a contiguous copy, whatever kernel this CPU has."""
     from machinery import lora
 
-    policy = models.load_causal_lm(models.TINY_MODEL, models.CPU)
+    policy = models.load_causal_lm(TINY_MODEL, models.CPU)
     reference = lora.reference(policy, grpo.Args(), models.CPU)
     ids = torch.tensor([[4, 5, 17, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]])  # two rows: a strided view
     for model, trainable in ((policy, True), (reference, False), (policy, False)):

@@ -1,12 +1,15 @@
 """ppo.py's formulas against hand-worked values and separately written loops."""
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import common
 import ppo
-from machinery import models, scoring
+from machinery import generation, models, scoring
+from machinery.tiny_model import TINY_MODEL
 
 
 def gae_by_loops(rewards, values, lengths, gamma, lam):
@@ -88,7 +91,7 @@ def test_score_lands_on_first_eos_when_pad_equals_eos():
     """pad = EOS: the completion's mask from mask_after_eos ends at the first EOS, and so does the score."""
     eos = 1
     completion_ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
-    mask = common.mask_after_eos(completion_ids, [eos])
+    mask = generation.mask_after_eos(completion_ids, [eos])
     placed = scoring.score_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
     assert placed.nonzero().tolist() == [[0, 2], [1, 1], [2, 4]]
     assert placed.sum().item() == 6.0
@@ -157,8 +160,8 @@ def test_adaptive_kl_coef_moves_towards_target():
 
 @pytest.mark.exact
 def test_critic_starts_from_policy_weights(tmp_path):
-    policy = models.load_causal_lm(models.TINY_MODEL, torch.device("cpu"))
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
+    policy = models.load_causal_lm(TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu"))
     backbone = dict(policy.get_decoder().named_parameters())
     critic_backbone = dict(critic.backbone.named_parameters())
     assert backbone.keys() == critic_backbone.keys()
@@ -171,7 +174,7 @@ def test_critic_starts_from_policy_weights(tmp_path):
 @pytest.mark.exact
 def test_the_value_head_starts_at_zero():
     """lm-human-preferences zero-initialises the value head: every value of a fresh critic is 0, whatever the input."""
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu"))
     assert torch.equal(critic.value_head.weight, torch.zeros_like(critic.value_head.weight))
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1], [4, 9, 10, 11, 12, 13]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -182,7 +185,7 @@ def test_the_value_head_starts_at_zero():
 
 def test_token_values_align_with_token_logprobs():
     """V(s_t) is read at the position that predicts token t, like the log-prob of token t."""
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu")).eval()
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu")).eval()
     torch.nn.init.normal_(critic.value_head.weight)  # a zero head would give 0 everywhere and prove nothing
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 1]])
     attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
@@ -314,3 +317,69 @@ def test_ppo_loss_clipped_terms_under_asymmetric_bounds(clip_low, clip_high):
     assert ((new_values - returns).abs() > 0.25).tolist() == [[not x for x in row] for row in expected]
     logged = common.logged_losses([[terms]])
     assert logged["clipfrac_value"] == pytest.approx(0.5) and logged["clipfrac"] == pytest.approx(4 / 16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fork's own state and loss terms (issue 52): measured once and carried by the checkpoint; logged by name.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_forks_setup_state_is_measured_once_carried_on_resume_and_its_loss_terms_logged(tmp_path, monkeypatch):
+    """A fork that measures a gain once (setup_state) and adds a loss term with a count of the tokens it hit: the
+    gain reaches every compute_loss batch and the dump, a resumed run gets it from the checkpoint without measuring
+    again, and both new terms reach TensorBoard under losses/ with their values (token mean; summed count)."""
+    import glob
+
+    from safetensors.torch import load_file
+    from test_loop_wiring import logged_scalars
+
+    measured, seen, hits = [], [], {}
+    plain_loss = ppo.compute_loss
+
+    def setup_state(sample, models, args):
+        assert set(models) == {"policy", "critic", "reference"} and sample()["scores"].shape == (8,)
+        measured.append(1)
+        return {"gain": torch.tensor(0.5 + len(measured))}  # 1.5 at the first measure, 2.5 at a second
+
+    def compute_loss(outputs, batch, args):
+        seen.append(float(batch["gain"]))
+        loss, terms = plain_loss(outputs, batch, args)
+        hit = (terms["pg_loss"] > 0) & batch["completion_mask"].bool()  # [n, T]
+        bonus = batch["gain"] * hit.float()
+        terms.update(bonus=bonus, bonus_tokens=hit.sum())
+        hits.setdefault(len(hits), (bonus, batch["completion_mask"], hit.sum()))
+        return loss, terms
+
+    monkeypatch.setattr(ppo, "setup_state", setup_state)
+    monkeypatch.setattr(ppo, "compute_loss", compute_loss)
+    flags = dict(seed=1, prompts_per_step=8, num_minibatches=1, update_epochs=1, sample_every=0)
+    ppo.main(ppo.Args(**flags, num_steps=1, save_every=1, output_dir=str(tmp_path / "runs")))
+    (run_dir,) = glob.glob(str(tmp_path / "runs" / "*"))
+    bonus, mask, count = hits[0]
+    scalars = logged_scalars(run_dir)
+    assert scalars["losses/bonus"][1] == pytest.approx(float((bonus * mask).sum() / mask.sum()), rel=1e-6)
+    assert scalars["losses/bonus_tokens"][1] == float(count) and "losses/policy_loss" in scalars
+    assert measured == [1] and set(seen) == {1.5}
+    dumps_dir = tmp_path / "dumps"
+    ppo.main(
+        ppo.Args(
+            **flags,
+            num_steps=2,
+            resume=os.path.join(run_dir, "checkpoint"),
+            dump_dir=str(dumps_dir),
+            output_dir=str(tmp_path / "runs2"),
+        )
+    )
+    assert measured == [1] and set(seen) == {1.5}  # not measured again: the checkpoint's value
+    assert float(load_file(str(dumps_dir / "step000002.safetensors"))["gain"]) == 1.5
+
+
+def test_a_setup_state_name_the_batch_uses_is_refused_in_one_line():
+    from machinery import batches
+    from machinery.errors import UsageError
+
+    sampled = dict(completion_mask=torch.ones(2, 3), scores=torch.ones(2), margin=torch.ones(2))
+    assert batches.batch_inputs(sampled, {"gain": torch.tensor(2.0)})["gain"] == 2.0
+    for name in ("kl_coef", "margin", "advantages"):  # a batch name, an example's field, a computed one
+        with pytest.raises(UsageError, match=f"setup_state's '{name}' is a name the batch uses for its own: rename it"):
+            batches.batch_inputs(sampled, {name: torch.tensor(2.0)})

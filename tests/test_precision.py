@@ -9,7 +9,7 @@ import torch
 import grpo
 from machinery import precision
 from machinery.errors import UsageError
-from machinery.models import TINY_MODEL
+from machinery.tiny_model import TINY_MODEL
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -127,15 +127,15 @@ def test_the_readme_states_its_share_of_changed_lines_in_the_sentence_the_genera
     """The README's figures for `diff grpo.py ppo.py` describe the shipped files: benchmarks/doc_figures.py --check
     compares them with the code before a release. Here only that the sentence is there to compare: a fork that
     changes grpo.py changes its own share of lines, not the README's."""
-    whole, main = doc_figures.readme_shares(read("README.md"))
-    assert 0 < main <= 100 and 0 < whole <= 100
+    marked, total, share, main = doc_figures.readme_shares(read("README.md"))
+    assert 0 < marked < total and share == round(100 * marked / total) and 0 < main <= 100
 
 
-def test_the_share_of_changed_lines_counts_what_diff_marks():
+def test_the_share_of_changed_lines_counts_what_gnu_diff_marks():
     a = ["def main(x):", "    return x", "", "y = 1", "z = 2"]
     b = ["def main(x):", "    return -x", "", "y = 1", "z = 3"]
-    # diff marks 2 lines of each of the two 5-line texts: 4 of 10; of main's 2 lines each, 2 of 4
-    assert doc_figures.changed_share(a, b) == 4 / 10
+    # diff marks 2 lines of each of the two 5-line texts: 4 of 10; of main's 3 lines each, 2 of 6
+    assert doc_figures.marked_lines(a, b) == 4 and doc_figures.changed_share(a, b) == 4 / 10
     assert doc_figures.main_lines(a) == ["def main(x):", "    return x", ""]
     assert doc_figures.changed_share(doc_figures.main_lines(a), doc_figures.main_lines(b)) == 2 / 6
 
@@ -151,5 +151,9 @@ def test_the_shares_are_rounded_to_the_nearest_percent(tmp_path):
     }
     for name, lines in texts.items():
         (tmp_path / name).write_text("\n".join(lines) + "\n")
-    assert doc_figures.shares(str(tmp_path / "a.py"), str(tmp_path / "b.py")) == (43, 67)
-    assert doc_figures.shares(str(tmp_path / "c.py"), str(tmp_path / "d.py")) == (33, 50)
+    assert doc_figures.shares(str(tmp_path / "a.py"), str(tmp_path / "b.py"))[2:] == (43, 67)
+    assert doc_figures.shares(str(tmp_path / "c.py"), str(tmp_path / "d.py"))[2:] == (33, 50)
+    # a moved line: difflib and GNU diff may mark different lines; the count is GNU diff's, `grep -c '^[<>]'`
+    a, b = ["x", "y", "z", "w"], ["y", "z", "w", "x"]
+    out = subprocess.run(["diff", "-", os.devnull], input="", capture_output=True, text=True)  # diff is there
+    assert out.returncode == 0 and doc_figures.marked_lines(a, b) == 2

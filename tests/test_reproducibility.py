@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 import grpo
 import ppo
 from machinery import checkpoints, errors, flags, models
+from machinery.tiny_model import TINY_MODEL
 
 SCRIPTS = {"grpo": grpo, "ppo": ppo}
 
@@ -249,7 +250,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail
 def test_the_critic_has_no_dropout():
     """A dropout left on in the critic (a config key, or a head's module) would make its values depend on its
     train/eval mode, and a resumed run (fresh model, eval mode) would differ: train mode computes what eval does."""
-    critic = ppo.load_critic(models.TINY_MODEL, torch.device("cpu"))
+    critic = ppo.load_critic(TINY_MODEL, torch.device("cpu"))
     assert all(m.p == 0 for m in critic.modules() if isinstance(m, torch.nn.Dropout))
     torch.nn.init.normal_(critic.value_head.weight)
     input_ids, attention_mask = torch.tensor([[0, 5, 6, 7, 8, 1]]), torch.tensor([[0, 1, 1, 1, 1, 1]])

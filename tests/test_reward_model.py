@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from test_exactness import bos_tokenizer
 
-import common
 import grpo
 import ppo
 import reward_model
-from machinery import models
+from machinery import batches, generation, learnt_reward, models
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 from tasks import copy_task, preferences
 from tasks.rewards import graded_copy_reward
 
@@ -116,7 +116,7 @@ def test_the_saved_model_loads_and_scores_the_same_through_ppos_reward_model(tra
     loaded = AutoModelForSequenceClassification.from_pretrained(trained)
     assert loaded.config.num_labels == 1 and loaded.config.pad_token_id is not None
     pairs = tiny_pairs()
-    scorer = models.RewardModel(trained, CPU, torch.float32, batch_size=2)  # what --reward-model loads
+    scorer = learnt_reward.RewardModel(trained, CPU, torch.float32, batch_size=2)  # what --reward-model loads
     prompts = [p["prompt"] for p in pairs]
     theirs = scorer.score(prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], [""] * 6)
     with torch.no_grad():
@@ -132,7 +132,7 @@ def absolute_position_reward_model(folder):
     (the tiny model's) would hide."""
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     config = GPT2Config(
         vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5, num_labels=1
     )
@@ -160,10 +160,13 @@ def test_training_and_scoring_read_each_text_as_it_is_scored_alone(tmp_path):
     model, tokenizer = reward_model.load_reward_model(folder, CPU).eval(), models.load_tokenizer(folder)
     with torch.no_grad():
         alone = [
-            model(**models.reward_inputs(tokenizer, [p], [c])).logits[0, 0].item() for p, c in zip(prompts, completions)
+            model(**learnt_reward.reward_inputs(tokenizer, [p], [c])).logits[0, 0].item()
+            for p, c in zip(prompts, completions)
         ]
         trained_on = torch.cat(reward_model.pair_rewards(model, tokenizer, pairs, CPU)).tolist()
-    scored = models.RewardModel(folder, CPU, torch.float32, batch_size=4).score(prompts, completions, [""] * 6)  # 4 + 2
+    scored = learnt_reward.RewardModel(folder, CPU, torch.float32, batch_size=4).score(
+        prompts, completions, [""] * 6
+    )  # 4 + 2
     assert trained_on == pytest.approx(alone, abs=1e-5) and scored == pytest.approx(alone, abs=1e-5)
     assert max(alone) - min(alone) > 0.1  # scores far apart: a padded row that moved would show
 
@@ -218,15 +221,17 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tmp_path, micro_b
 def test_reward_texts_of_a_conversation_and_of_strings_are_one_text():
     """A conversational pair renders as RewardModel renders a string prompt and completion (user, then assistant)."""
     tokenizer = bos_tokenizer()
-    strings, templated = models.reward_texts(tokenizer, ["what is 2+2?"], ["4"])
-    messages, _ = models.reward_texts(
+    strings, templated = learnt_reward.reward_texts(tokenizer, ["what is 2+2?"], ["4"])
+    messages, _ = learnt_reward.reward_texts(
         tokenizer, [[{"role": "user", "content": "what is 2+2?"}]], [[{"role": "assistant", "content": "4"}]]
     )
     assert templated and strings == messages == ["<s>[user] what is 2+2?\n[assistant] 4\n"]
-    tiny = models.load_tokenizer(models.TINY_MODEL)
-    assert models.reward_texts(tiny, ["12="], ["12"]) == (["12=12"], False)
+    tiny = models.load_tokenizer(TINY_MODEL)
+    assert learnt_reward.reward_texts(tiny, ["12="], ["12"]) == (["12=12"], False)
     with pytest.raises(UsageError, match="need a tokenizer with a chat template"):
-        models.reward_texts(tiny, [[{"role": "user", "content": "1="}]], [[{"role": "assistant", "content": "1"}]])
+        learnt_reward.reward_texts(
+            tiny, [[{"role": "user", "content": "1="}]], [[{"role": "assistant", "content": "1"}]]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,7 +298,7 @@ def recording_run(tmp_path, monkeypatch, **overrides):
     logged, sampled, loaded = [], [], []
     log_step, sample, load = (
         reward_model.bookkeeping.log_step,
-        common.PromptSampler.sample,
+        batches.PromptSampler.sample,
         reward_model.load_reward_model,
     )
 
@@ -302,7 +307,7 @@ def recording_run(tmp_path, monkeypatch, **overrides):
         return log_step(writer, step, scalars, losses, timer, total_tokens, device)
 
     monkeypatch.setattr(reward_model.bookkeeping, "log_step", recording_log_step)
-    monkeypatch.setattr(common.PromptSampler, "sample", lambda self, n: sampled.append(sample(self, n)) or sampled[-1])
+    monkeypatch.setattr(batches.PromptSampler, "sample", lambda self, n: sampled.append(sample(self, n)) or sampled[-1])
     monkeypatch.setattr(
         reward_model, "load_reward_model", lambda name, device: loaded.append(load(name, device)) or loaded[-1]
     )
@@ -321,7 +326,7 @@ def test_the_logged_rate_is_the_one_each_step_used_and_tokens_leave_out_padding(
     tokenizer = preferences.reward_tokenizer(reward_model.Args())
     alone = [
         sum(
-            len(models.reward_inputs(tokenizer, [p["prompt"]], [p[side]])["input_ids"][0])
+            len(learnt_reward.reward_inputs(tokenizer, [p["prompt"]], [p[side]])["input_ids"][0])
             for side in ("chosen", "rejected")
         )
         for p in itertools.chain.from_iterable(sampled[:4])
@@ -437,8 +442,6 @@ def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
     that of its completions, the KL 0 at step 1 (the policy is the reference) and not after an update."""
     import importlib.util
 
-    import common
-
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "rlhf.py")
     spec = importlib.util.spec_from_file_location("rlhf", path)
     rlhf = importlib.util.module_from_spec(spec)
@@ -448,9 +451,9 @@ def test_the_benchmarks_curves_read_the_dumps(trained, tmp_path):
     ppo.main(ppo.Args(reward_model=trained, dump_dir=dump_dir, **flags))
     rows = rlhf.curves(dump_dir)
     dump = load_file(os.path.join(dump_dir, "step000002.safetensors"))
-    tokenizer = models.load_tokenizer(models.TINY_MODEL)
+    tokenizer = models.load_tokenizer(TINY_MODEL)
     prompts = tokenizer.batch_decode(dump["prompt_ids"], skip_special_tokens=True)
-    texts = common.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], [1])
+    texts = generation.decode_completions(tokenizer, dump["completion_ids"], dump["completion_mask"], [1])
     gold = [graded_copy_reward(p, c, p[:-1]) for p, c in zip(prompts, texts)]
     assert rows.shape == (2, 4) and rows[1, 0].item() == pytest.approx(dump["scores"].mean().item())
     assert rows[1, 1].item() == pytest.approx(sum(gold) / len(gold)) and rows[0, 2].item() == 0.0
@@ -482,3 +485,25 @@ def test_a_short_run_learns(tmp_path):
     """60 steps on 1024 pairs: the held-out accuracy is far above a coin's (the default run reaches about 0.86)."""
     evaluation, _ = run(tmp_path, num_pairs=1024, num_steps=60, batch_size=64, micro_batch_size=64)
     assert evaluation["eval/accuracy"] > 0.7 and evaluation["eval/margin"] > 0.5
+
+
+def test_a_forks_added_loss_term_is_logged_by_its_name_and_bt_loss_stays_the_bradley_terry_term(tmp_path, monkeypatch):
+    """A fork adding a reward-centering term (Eisenstein et al.) in compute_loss only: losses/bt_loss is the
+    Bradley-Terry term alone (summed over the micro-batches), losses/centering the added one, not folded together."""
+    from test_loop_wiring import logged_scalars
+
+    plain, seen = reward_model.compute_loss, []
+
+    def compute_loss(outputs, batch, args):
+        loss, terms = plain(outputs, batch, args)
+        centering = 0.01 * (outputs["chosen"] + outputs["rejected"]).pow(2).sum() / batch["num_pairs"]
+        seen.append((terms["bt_loss"].item(), centering.item()))
+        return loss + centering, dict(terms, centering=centering.detach(), loss=(loss + centering).detach())
+
+    monkeypatch.setattr(reward_model, "compute_loss", compute_loss)
+    _, folder = run(tmp_path, num_steps=1)
+    scalars = logged_scalars(folder)
+    assert len(seen) == 2  # two micro-batches of 8 pairs
+    assert scalars["losses/bt_loss"][1] == pytest.approx(sum(bt for bt, _ in seen), rel=1e-6)
+    assert scalars["losses/centering"][1] == pytest.approx(sum(c for _, c in seen), rel=1e-6)
+    assert sum(c for _, c in seen) > 1e-4  # a term big enough that folding it into bt_loss would show

@@ -13,6 +13,7 @@ import common
 import grpo
 import ppo
 import tasks
+from machinery import batches
 
 EOS = 1
 
@@ -31,7 +32,7 @@ def draws(sampler, sizes):
 def test_sampler_gives_each_example_once_per_pass():
     """Guards against sampling with replacement, or an example left in (or dropped from) the order:
     every 10 consecutive draws, whatever the batch sizes, are the 10 examples."""
-    sampler = common.PromptSampler(EXAMPLES, seed=3)
+    sampler = batches.PromptSampler(EXAMPLES, seed=3)
     seq = draws(sampler, [3, 4, 1, 7, 5, 10])  # 30 draws across batch boundaries
     passes = [seq[i : i + 10] for i in range(0, 30, 10)]
     for p in passes:
@@ -43,27 +44,27 @@ def test_sampler_gives_each_example_once_per_pass():
 def test_sampler_order_depends_on_its_seed_only():
     """Guards against a sampler that ignores its seed, or shuffles with the global `random` (then another
     draw from it, e.g. by a reward function, changes the prompts a run sees)."""
-    a = draws(common.PromptSampler(EXAMPLES, seed=1), [10, 10])
+    a = draws(batches.PromptSampler(EXAMPLES, seed=1), [10, 10])
     random.seed(12345)
-    other = common.PromptSampler(EXAMPLES, seed=1)
+    other = batches.PromptSampler(EXAMPLES, seed=1)
     first = draws(other, [5])
     random.random()
     random.shuffle(list(range(100)))
     assert first + draws(other, [5, 10]) == a
-    assert draws(common.PromptSampler(EXAMPLES, seed=2), [10, 10]) != a
+    assert draws(batches.PromptSampler(EXAMPLES, seed=2), [10, 10]) != a
 
 
 def test_sampler_state_round_trip_continues_the_same_sequence():
     """Guards against a state that is not restored (order or RNG), or one that aliases the live order and so
     moves on after it was saved. Saved mid-pass, through pickle as torch.save writes it, and loaded into a
     sampler of another seed, it continues exactly; the continuation crosses into the next pass (the RNG)."""
-    sampler = common.PromptSampler(EXAMPLES, seed=7)
+    sampler = batches.PromptSampler(EXAMPLES, seed=7)
     draws(sampler, [4, 3])  # 7 draws: mid-pass
     state = sampler.state_dict()
     saved = pickle.dumps(state)
     expected = draws(sampler, [6, 10, 5])  # finishes this pass, then two more shuffles
     for loaded in (pickle.loads(saved), state):  # `state` itself must not have moved on with the sampler
-        resumed = common.PromptSampler(EXAMPLES, seed=99)
+        resumed = batches.PromptSampler(EXAMPLES, seed=99)
         resumed.load_state_dict(loaded)
         assert draws(resumed, [6, 10, 5]) == expected
 

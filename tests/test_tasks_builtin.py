@@ -20,6 +20,7 @@ import pytest
 import tasks
 from machinery import bookkeeping, models
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_CHARS
 from tasks import load_task, rewards
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -75,7 +76,7 @@ def test_arithmetic_default_is_one_digit_and_deterministic():
 def test_arithmetic_uses_only_the_tiny_models_characters(digits, tiny_tokenizer):
     task = load_task(f"arithmetic:{digits}")
     for ex in task.train + task.test:
-        assert set(ex["prompt"] + ex["answer"]) <= set(models.TINY_CHARS), ex
+        assert set(ex["prompt"] + ex["answer"]) <= set(TINY_CHARS), ex
     models.check_vocabulary(tiny_tokenizer, task, "tiny")  # the tiny tokenizer reads every prompt
 
 

@@ -8,6 +8,7 @@ import torch
 
 from machinery import threads
 from machinery.errors import UsageError
+from machinery.tiny_model import TINY_MODEL
 
 
 def choose(flag="auto", cores=8, default=8, idle=None, env=None, processes=1):
@@ -180,7 +181,7 @@ def test_every_loaded_model_checks_the_idle_cores_before_its_forward_pass():
     """A long step (a real model's rollout) sees a busy process start within its forward passes, not at its end."""
     from machinery import models
 
-    model = models.load_causal_lm(models.TINY_MODEL, "cpu")
+    model = models.load_causal_lm(TINY_MODEL, "cpu")
     assert threads.follow_before_forward in model._forward_pre_hooks.values()
 
 

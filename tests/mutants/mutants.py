@@ -140,19 +140,19 @@ MUTANTS = [
     ),
     dict(
         name="grpo-length-counts-prompt",
-        file="grpo.py",
+        file="machinery/bookkeeping.py",
         tests=REF_GRPO,
         what="charts/completion_length counts the prompt's tokens too (the attention mask, not the completion mask)",
-        find="lengths = dist.gather(b_mask.sum(1).float())",
-        replace="lengths = dist.gather(inputs[1].sum(1).float())",
+        find="lengths = dist.gather(mask.sum(1).float())",
+        replace='lengths = dist.gather(torch.cat([sampled["prompt_mask"], mask], 1).sum(1).float())',
     ),
     dict(
         name="grpo-tokens-completion-only",
-        file="grpo.py",
+        file="machinery/bookkeeping.py",
         tests=REF_GRPO,
         what="perf/tokens_per_second counts completion tokens only",
-        find='history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + b_mask.sum()))',
-        replace='history["tokens"] += dist.sum(int(b_mask.sum()))',
+        find='history["tokens"] += dist.sum(int(sampled["prompt_mask"].sum() + mask.sum()))',
+        replace='history["tokens"] += dist.sum(int(mask.sum()))',
     ),
     # ---------------------------------------------------------------------------------------- ppo.py
     dict(
@@ -337,7 +337,7 @@ MUTANTS = [
     ),
     dict(
         name="common-mask-drops-eos",
-        file="common.py",
+        file="machinery/generation.py",
         tests=REF_GRPO,
         what="the completion mask stops before the EOS instead of including it",
         find="return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()",
@@ -395,7 +395,7 @@ MUTANTS = [
     # ---------------------------------------------------------------------------------------- tasks.py
     dict(
         name="tasks-sampler-with-replacement",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="the sampler reads the next index without removing it: the same example forever",
         find="batch.append(self.examples[self.order.pop()])",
@@ -403,7 +403,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-state-alias",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="state_dict hands out the live order list, which moves on after the checkpoint",
         find='return {"rng": self.rng.getstate(), "order": list(self.order)}',
@@ -411,7 +411,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-rng-not-restored",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="load_state_dict restores the order but not the RNG: the next pass differs after a resume",
         find='        self.rng.setstate(state["rng"])\n',
@@ -419,7 +419,7 @@ MUTANTS = [
     ),
     dict(
         name="tasks-sampler-global-random",
-        file="common.py",
+        file="machinery/batches.py",
         tests=SAMPLER,
         what="the passes are shuffled with the global random module, not the sampler's seeded RNG",
         find="self.rng.shuffle(self.order)",
@@ -490,7 +490,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-one-shuffle-per-step",
-        file="common.py",
+        file="machinery/batches.py",
         tests=GRADIENTS_PPO,
         what="one permutation per step, reused by every epoch: the epochs draw the same minibatches",
         find=(
@@ -508,8 +508,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --update-epochs (equal defaults hide it)",
-        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
-        replace="common.shuffled_minibatches(N, args.update_epochs, args.update_epochs, device)",
+        find="batches.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="batches.shuffled_minibatches(N, args.update_epochs, args.update_epochs, device)",
     ),
     dict(
         name="ppo-kl-coef-not-restored",
@@ -529,7 +529,7 @@ MUTANTS = [
     ),
     dict(
         name="common-decode-first-eos-only",
-        file="common.py",
+        file="machinery/generation.py",
         tests=["tests/test_eos.py"],
         what="only the first of several EOS ids is stripped from the decoded text",
         find="if ids and ids[-1] in eos_ids:",
@@ -661,8 +661,8 @@ MUTANTS = [
         file="grpo.py",
         tests=DYNAMIC,
         what="dynamic sampling judges groups of prompts_per_step rows, not group_size, as informative",
-        find='informative = informative_groups(batch["rewards"], args.group_size)  # [groups]',
-        replace='informative = informative_groups(batch["rewards"], args.prompts_per_step)  # [groups]',
+        find='informative = informative_groups(batch["scores"], args.group_size)  # [groups]',
+        replace='informative = informative_groups(batch["scores"], args.prompts_per_step)  # [groups]',
     ),
     dict(
         name="grpo-dynamic-count-from-group-size",
@@ -741,8 +741,8 @@ MUTANTS = [
         file="ppo.py",
         tests=GRADIENTS_PPO,
         what="the minibatch size computed from --samples-per-prompt instead of --num-minibatches",
-        find="common.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
-        replace="common.shuffled_minibatches(N, args.update_epochs, args.samples_per_prompt, device)",
+        find="batches.shuffled_minibatches(N, args.update_epochs, args.num_minibatches, device)",
+        replace="batches.shuffled_minibatches(N, args.update_epochs, args.samples_per_prompt, device)",
     ),
     dict(
         name="ppo-samples-printed-per-prompts",
@@ -770,7 +770,7 @@ MUTANTS = [
     ),
     dict(
         name="common-generate-last-columns",
-        file="common.py",
+        file="machinery/generation.py",
         tests=["tests/test_generate.py"],
         what="the completion is the last max_new_tokens columns: prompt tokens when every row stops early",
         find="completion_ids = out[:, prompt_ids.shape[1] :]",
@@ -859,7 +859,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-kl-horizon-against-prompts",
-        file="ppo.py",
+        file="machinery/flag_checks.py",
         tests=["tests/test_bad_input_flags_and_state.py", "-k", "count_completions"],
         what="--kl-horizon is checked against the prompts of a step, not its completions (prompts x samples)",
         find="args.target_kl is not None and args.kl_horizon < batch_size:",
@@ -867,7 +867,7 @@ MUTANTS = [
     ),
     dict(
         name="ppo-minibatches-against-prompts",
-        file="ppo.py",
+        file="machinery/flag_checks.py",
         tests=["tests/test_bad_input_flags_and_state.py", "-k", "count_completions"],
         what="--num-minibatches is checked against the prompts per process, not the completions",
         find="per_process = batch_size // dist.world_size()",
@@ -899,7 +899,7 @@ MUTANTS = [
     ),
     dict(
         name="reward-inputs-tokenizer-side",
-        file="machinery/models.py",
+        file="machinery/learnt_reward.py",
         tests=["tests/test_reward_model.py", "-k", "alone"],
         what="the reward model's inputs are padded on the tokenizer's own side (left) in training, right in scoring",
         find='return tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens',
@@ -1058,8 +1058,9 @@ MUTANTS = [
         file="common.py",
         tests=["tests/test_grpo.py", "-k", "clipfrac"],
         what="losses/clipfrac recomputes the PPO clip from clip_low instead of reading what the loss clipped",
-        find='means["clipfrac"] = masked_mean(terms["clipped"].float(), mask)',
-        replace='means["clipfrac"] = clip_fraction(terms["logratio"], terms["advantages"], 0.2, 0.2, mask)',
+        find="            stats[RENAMED.get(key, key)] = (masked_mean(value, mask), tokens)\n",
+        replace="            stats[RENAMED.get(key, key)] = (masked_mean(value, mask) if key != 'clipped' else "
+        "clip_fraction(terms['logratio'], terms['advantages'], 0.2, 0.2, mask), tokens)\n",
     ),
     dict(
         name="fingerprint-of-four-keys-only",
@@ -1071,11 +1072,11 @@ MUTANTS = [
     ),
     dict(
         name="example-fields-dropped",
-        file="common.py",
+        file="machinery/batches.py",
         tests=["tests/test_data_fields.py", "-k", "reaches"],
         what="the examples' other fields never reach the loss's batch",
-        find="return {key: value for key, value in batch.items() if key in inputs or key not in ROLLOUT_KEYS}",
-        replace="return {key: value for key, value in batch.items() if key in inputs}",
+        find="batch.items() if key in names or key not in ROLLOUT_KEYS}",
+        replace="batch.items() if key in names}",
     ),
     dict(
         name="branch-resumes-in-the-source-folder",
@@ -1225,7 +1226,7 @@ MUTANTS = [
     ),
     dict(
         name="jsonl-int64-bound-2-64",
-        file="common.py",
+        file="machinery/batches.py",
         tests=["tests/test_data_fields.py", "-k", "int64"],
         what="a JSONL field of 2**63 is made an int64 tensor: the bound written as 2**64, torch overflows",
         find="all(abs(v) < 2**63 for v in values)",
@@ -1278,7 +1279,8 @@ MUTANTS = [
             '            history["eval"] = evaluate(model, tokenizer, task.test, '
             "args.micro_batch_size, device, dtype)\n"
             '            scalars.update(history["eval"])\n'
-            '        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}\n'
+            '        losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])'
+            "  # each term by its name\n"
             '        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)\n'
             "        scheduler.step()  # after logging the rate this step's update used\n"
         ),
@@ -1293,7 +1295,8 @@ MUTANTS = [
             '            history["eval"] = evaluate(model, tokenizer, task.test, '
             "args.micro_batch_size, device, dtype)\n"
             '            scalars.update(history["eval"])\n'
-            '        losses = {"bt_loss": b_loss, "grad_norm": grad_norms["reward_model"]}\n'
+            '        losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])'
+            "  # each term by its name\n"
             '        bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)\n'
         ),
     ),
@@ -1374,24 +1377,30 @@ MUTANTS = [
         file="benchmarks/doc_figures.py",
         tests=["tests/test_readme.py", "-k", "rounded"],
         what="doc_figures truncates the shares of changed lines (66.7% -> 66) instead of rounding them",
-        find="return round(changed_share(a, b) * 100), round(changed_share(main_lines(a), main_lines(b)) * 100)",
-        replace="return int(changed_share(a, b) * 100), int(changed_share(main_lines(a), main_lines(b)) * 100)",
+        find=(
+            "main = round(changed_share(main_lines(a), main_lines(b)) * 100)\n"
+            "    return marked, len(a) + len(b), round(100 * marked / (len(a) + len(b))), main"
+        ),
+        replace=(
+            "main = int(changed_share(main_lines(a), main_lines(b)) * 100)\n"
+            "    return marked, len(a) + len(b), int(100 * marked / (len(a) + len(b))), main"
+        ),
     ),
     dict(
         name="doc-figures-write-filter-inverted",
         file="benchmarks/doc_figures.py",
         tests=["tests/test_readme_tables.py", "-k", "doc_figures_write"],
         what="doc_figures --write appends the rows the table has (a second row each) instead of the missing ones",
-        find="new = [row for row, flag in zip(new, code) if flag not in documented]",
-        replace="new = [row for row, flag in zip(new, code) if flag in documented]",
+        find='{meanings[flag]} |" for flag in code if flag not in documented]',
+        replace='{meanings[flag]} |" for flag in code if flag in documented]',
     ),
     dict(
         name="doc-figures-write-figures-swapped",
         file="benchmarks/doc_figures.py",
         tests=["tests/test_readme_tables.py", "-k", "doc_figures_write"],
         what="doc_figures --write puts main's share where the whole files' goes, and the reverse",
-        find='f"{m.group(1)}{measured[0]}{m.group(3)}{measured[1]}"',
-        replace='f"{m.group(1)}{measured[1]}{m.group(3)}{measured[0]}"',
+        find="str(share), m[7], str(main)",
+        replace="str(main), m[7], str(share)",
     ),
     dict(
         name="branch-forgets-the-model-and-task",
@@ -1427,7 +1436,7 @@ MUTANTS = [
     ),
     dict(
         name="example-fields-bool-among-numbers",
-        file="common.py",
+        file="machinery/batches.py",
         tests=["tests/test_data_fields.py", "-k", "tensor_types"],
         what="a JSONL field of true beside 2 becomes the int tensor [1, 2]: the bool read as a number",
         find="for v in values) and len({type(v) is bool for v in values}) == 1",
@@ -1456,5 +1465,30 @@ MUTANTS = [
         what="doc_figures --check exits 1 even when the docs state the code's figures and every flag",
         find="elif options.check and problems:",
         replace="elif options.check:",
+    ),
+    # ---------------------------------------------------------------------------------------- issue 52 (fork)
+    dict(
+        name="loss-term-count-weighed-out",
+        file="common.py",
+        tests=["tests/test_grpo.py", "-k", "forks_new_loss_terms"],
+        what="a loss term of no dimension (a count of hit tokens) is multiplied by its weight 0 and logged as 0",
+        find="value.double() * w if w > 0 else value.double()",
+        replace="value.double() * w",
+    ),
+    dict(
+        name="reward-model-total-logged-as-bt-loss",
+        file="reward_model.py",
+        tests=["tests/test_reward_model.py", "-k", "forks_added_loss_term"],
+        what="losses/bt_loss is the total loss, a fork's added term folded into the Bradley-Terry name",
+        find='losses = dict(common.logged_losses([updates]), grad_norm=grad_norms["reward_model"])',
+        replace='losses = dict(common.logged_losses([updates]), bt_loss=b_loss, grad_norm=grad_norms["reward_model"])',
+    ),
+    dict(
+        name="setup-state-measured-again-on-resume",
+        file="ppo.py",
+        tests=["tests/test_ppo.py", "-k", "setup_state"],
+        what="a resumed run measures its setup state again instead of taking the checkpoint's",
+        find='setup = run.state.get("setup", {}) if args.resume else setup_state(',
+        replace="setup = setup_state(",
     ),
 ]
