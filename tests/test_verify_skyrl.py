@@ -234,3 +234,17 @@ def test_peer_site_never_falls_back_to_the_checkout_when_told_a_folder(tmp_path,
     monkeypatch.setenv("SKYRL_SITE", str(tmp_path))
     with pytest.raises(ImportError, match=f"no skyrl in {tmp_path}: pip install"):
         peer_site.find("skyrl", marker, "pip install ...")
+
+
+@NEEDS_CORE
+@pytest.mark.parametrize("bug", ["whitening's Bessel correction twice", "worker: entropy sign"])
+def test_a_bug_under_an_accepted_difference_fails_its_row(skyrl_ppo, capsys, tmp_path, monkeypatch, bug):
+    """Every SkyRL difference accepted: a bug on top of one still fails its row (the peer against the declared
+    expectation at the row's normal tolerance), where a bound measured with a margin let it pass."""
+    find, replace, _, caught = BUGS[bug]
+    where = bug.split(":")[0]
+    file = "backends/skyrl_train/" + FILES.get(where, "utils/ppo_utils.py")
+    monkeypatch.setenv("SKYRL_SITE", planted_site(tmp_path, file, find, replace, name="skyrl"))
+    accepted = [a for q in ("advantages", "kl_coef", "loss", "gradient", "critic gradient") for a in ("--accept", q)]
+    code, out, _ = run(capsys, skyrl_ppo, "--against", "skyrl", *accepted)
+    assert code == 1 and all(rows(out)[q].startswith("FAIL") for q in caught), out
