@@ -160,9 +160,29 @@ def backpropagated(method, model, config, experience, weight, **fields):
 
 
 class Batch(dict):
-    """The trainer's TrainingInputBatch as apply_reward_kl_penalty reads it: tensors by name and a metadata dict."""
+    """The trainer's TrainingInputBatch as its methods read it: tensors by name, rows by a slice, a metadata dict."""
 
     metadata = None
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return Batch({name: value[key] for name, value in self.items()})
+        return dict.__getitem__(self, key)
+
+
+def normalized_advantages(advantages, loss_mask, config, micro_batch_size):
+    """The trainer's _normalize_advantages on one minibatch (no advantage_batch_normalize, SkyRL's default): its
+    apply_loss_reduction_to_advantages_minibatch with the trainer's arguments."""
+    algorithm = types.SimpleNamespace(
+        advantage_batch_normalize=False, loss_reduction=config.loss_reduction, max_seq_len=config.max_seq_len
+    )
+    me = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            trainer=types.SimpleNamespace(algorithm=algorithm, micro_train_batch_size_per_gpu=micro_batch_size)
+        )
+    )
+    data = Batch(advantages=advantages, loss_mask=loss_mask, response_mask=loss_mask)
+    return trainer.RayPPOTrainer._normalize_advantages(me, data, [(0, len(advantages))], None)["advantages"]
 
 
 def reward_kl_penalty(batch, args, rewards):

@@ -13,11 +13,12 @@ What is called, unchanged (loaded by verifier/skyrl_site.py, which says what sta
   kl                   compute_approx_kl (k1, k2, k3)
   log-probs            HFModelWrapper.forward (workers/model_wrapper.py) around the policy: its position ids,
                        logits / temperature, logprobs_from_logits and its shift
-  loss, gradient       the trainer's apply_loss_reduction_to_advantages_minibatch, then the workers' own
-                       _forward_backward_micro (workers/worker.py): PolicyWorkerBase's (PolicyLossRegistry's
-                       "regular" or "gspo", its KL and entropy terms weighted by microbatch_weight) on the
-                       wrapper's output (loss: a model returning the dump's stored outputs), and for PPO
-                       vf_coef * CriticWorkerBase's, its model SkyRL's CriticModel.forward on this project's critic
+  loss, gradient       the trainer's _normalize_advantages (apply_loss_reduction_to_advantages_minibatch), then
+                       the workers' own _forward_backward_micro (workers/worker.py): PolicyWorkerBase's (the
+                       PolicyLossRegistry's "regular" or "gspo", its KL and entropy terms weighted by
+                       microbatch_weight) on the wrapper's output (loss: a model returning the dump's stored
+                       outputs), and for PPO vf_coef * CriticWorkerBase's, its model SkyRL's CriticModel.forward
+                       on this project's critic
 
 The loss SkyRL backpropagates is what its strategy's backward receives; its critic trains apart, unscaled, so the
 PPO loss here is policy + vf_coef * critic loss. Its known differences are exact expectations
@@ -238,8 +239,8 @@ def _experience(batch, advantages, old_logp):
 
 
 def _scaled(batch, args, config):
-    """The advantages as the trainer scales them over the minibatch (apply_loss_reduction_to_advantages_minibatch),
-    read back at the micro-batch's rows."""
+    """The advantages as the trainer's _normalize_advantages scales them over the minibatch (its
+    apply_loss_reduction_to_advantages_minibatch), read back at the micro-batch's rows."""
     mask = batch["completion_mask"]
     advantages = batch["advantages"]
     if args["script"] == "grpo":
@@ -248,9 +249,7 @@ def _scaled(batch, args, config):
     whole = _minibatch_mask(mask, batch["num_seqs"], batch["num_tokens"])
     padded = torch.nn.functional.pad(advantages.float(), (0, whole.shape[1] - T))
     padded = torch.cat([padded, torch.zeros(len(whole) - n, whole.shape[1])])
-    return ppo_utils.apply_loss_reduction_to_advantages_minibatch(
-        padded, whole, config.loss_reduction, n, args["max_new_tokens"]
-    )[:n, :T]
+    return skyrl_site.normalized_advantages(padded, whole, config, n)[:n, :T]
 
 
 def _losses(policy, batch, args, old_logp, critic=None):
