@@ -98,11 +98,10 @@ def test_skyrl_ppo_known_differences_are_its_exact_expectations(skyrl_ppo, skyrl
     assert max(apart) > 1e-5, apart  # completions of unequal lengths in a micro-batch: the weights tell
 
 
-def test_skyrl_gradient_is_its_expectation(skyrl_ppo, skyrl_site):
-    """The gradient of SkyRL's workers' loss (its wrapper, its CriticModel.forward on this project's critic) is the
-    gradient of the declared expectation, policy and critic alike, at rel 1e-5."""
-    peer, ours = verify.load_adapter("skyrl"), verify.load_adapter("self")
-    args, steps, _, _ = load_dump(skyrl_ppo)
+def _gradients(peer, dump):
+    """The gradients of the peer's train_loss and of its declared expectation on a micro-batch of step 1."""
+    ours = verify.load_adapter("self")
+    args, steps, _, _ = load_dump(dump)
     policy, critic = ours.initial_models(args)
     micro = inputs("train_loss", micro_batch(steps[1]), args)
     grads = []
@@ -112,6 +111,13 @@ def test_skyrl_gradient_is_its_expectation(skyrl_ppo, skyrl_site):
         grads.append(
             torch.cat([p.grad.flatten() for m in (policy, critic) for p in m.parameters() if p.grad is not None])
         )
+    return grads
+
+
+def test_skyrl_gradient_is_its_expectation(skyrl_ppo, skyrl_site):
+    """The gradient of SkyRL's workers' loss (its wrapper, its CriticModel.forward on this project's critic) is the
+    gradient of the declared expectation, policy and critic alike, at rel 1e-5."""
+    grads = _gradients(verify.load_adapter("skyrl"), skyrl_ppo)
     assert _close(grads[0], grads[1], 1e-5), (grads[0] - grads[1]).abs().max()
 
 
@@ -175,6 +181,12 @@ BUGS = {  # file under skyrl/, the line, the bug, the dump, the rows it fails (k
         "ppo",
         ["loss", "gradient"],
     ),
+    "entropy in bits": (
+        "chunk_entropy = -(chunk_probs * chunk_logprob).sum(-1)",
+        "chunk_entropy = -(chunk_probs * chunk_logprob).sum(-1) / 0.6931471805599453",  # / ln 2
+        "ppo",
+        ["gradient"],
+    ),
     "trainer: KL penalty added": (
         "rewards = rewards - kl * max(0, kl_loss_coef)",
         "rewards = rewards + kl * max(0, kl_loss_coef)",
@@ -188,7 +200,11 @@ BUGS = {  # file under skyrl/, the line, the bug, the dump, the rows it fails (k
         ["advantages"],
     ),
 }
-FILES = {"wrapper": "workers/model_wrapper.py", "worker": "workers/worker.py"}
+FILES = {
+    "wrapper": "workers/model_wrapper.py",
+    "worker": "workers/worker.py",
+    "entropy in bits": "utils/torch_utils.py",
+}
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
@@ -219,6 +235,9 @@ def test_a_bug_planted_in_skyrl_fails_its_rows(skyrl_grpo, skyrl_ppo, capsys, tm
     if "loss" in caught:
         micro = inputs("loss", micro_batch(d), args)
         assert abs(peer.loss(micro, args) - declared["loss"]["expect"](micro, args)) > 1e-5
+    if "gradient" in caught:
+        grads = _gradients(peer, skyrl_ppo)
+        assert not _close(grads[0], grads[1], 1e-5)
 
 
 def test_peer_site_never_falls_back_to_the_checkout_when_told_a_folder(tmp_path, monkeypatch):
@@ -237,7 +256,7 @@ def test_peer_site_never_falls_back_to_the_checkout_when_told_a_folder(tmp_path,
 
 
 @NEEDS_CORE
-@pytest.mark.parametrize("bug", ["whitening's Bessel correction twice", "worker: entropy sign"])
+@pytest.mark.parametrize("bug", ["whitening's Bessel correction twice", "worker: entropy sign", "entropy in bits"])
 def test_a_bug_under_an_accepted_difference_fails_its_row(skyrl_ppo, capsys, tmp_path, monkeypatch, bug):
     """Every SkyRL difference accepted: a bug on top of one still fails its row (the peer against the declared
     expectation at the row's normal tolerance), where a bound measured with a margin let it pass."""
