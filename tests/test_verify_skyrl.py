@@ -267,3 +267,38 @@ def test_a_bug_under_an_accepted_difference_fails_its_row(skyrl_ppo, capsys, tmp
     accepted = [a for q in ("advantages", "kl_coef", "loss", "gradient", "critic gradient") for a in ("--accept", q)]
     code, out, _ = run(capsys, skyrl_ppo, "--against", "skyrl", *accepted)
     assert code == 1 and all(rows(out)[q].startswith("FAIL") for q in caught), out
+
+
+def test_skyrl_grpo_known_differences_are_its_exact_expectations(skyrl_site, tmp_path):
+    """GRPO with --adv-eps 1e-3 and --loss-agg token-mean: SkyRL's advantages are (r - mean) / (std + 1e-6), its
+    loss and gradient those of a KL averaged per sequence (its worker's), each at the row's tolerance (advantages
+    and gradient rel 1e-5, loss abs 1e-6) on every micro-batch, where this project's differ."""
+    flags = dict(SKYRL_GRPO, num_steps=2, adv_eps=1e-3, loss_agg="token-mean", clip_high=0.08)
+    dump = make_dump(tmp_path, "grpo", **flags)
+    peer, ours = verify.load_adapter("skyrl"), verify.load_adapter("self")
+    args, steps, _, _ = load_dump(dump)
+    declared = peer.known_differences(args, {})
+    assert set(declared) == {"advantages", "loss", "gradient"}, declared
+    policy, _ = ours.initial_models(args)
+    apart = []
+    for d in steps.values():
+        whole = whole_batch(d, args)
+        b = inputs("group_advantages", whole, args)
+        assert _close(peer.group_advantages(b, args), declared["advantages"]["expect"](b, args), 1e-5)
+        mask = b["completion_mask"]
+        apart.append(abs(peer.group_advantages(b, args) - ours.group_advantages(b, args)[:, None] * mask).max().item())
+        size = args["micro_batch_size"]
+        micro = {
+            k: v[:size] if torch.is_tensor(v) and v.dim() > 0 and len(v) == len(whole["rewards"]) else v
+            for k, v in whole.items()
+        }
+        b = inputs("loss", micro, args)
+        torch.testing.assert_close(peer.loss(b, args), declared["loss"]["expect"](b, args), rtol=0, atol=1e-6)
+        assert abs(peer.loss(b, args) - ours.loss(b, args)) > 1e-5
+        grads = []
+        for fn in (peer.train_loss, declared["gradient"]["expect"]):
+            policy.zero_grad()
+            fn(policy, inputs("train_loss", micro, args), args).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
+        assert _close(grads[0], grads[1], 1e-5)
+    assert max(apart) > 1e-4, apart  # the std eps shows

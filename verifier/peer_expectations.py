@@ -25,9 +25,11 @@ def _flags(args, **changes):
 
 
 def group_std_advantages(batch, args, eps=1e-6):
-    """SkyRL's GRPO: (r - the group's mean) / (the group's unbiased std + eps), eps its default 1e-6."""
+    """SkyRL's GRPO: (r - the group's mean) / (the group's unbiased std + eps), eps its default 1e-6, on every
+    completion token (SkyRL's advantages are per token)."""
     r = batch["rewards"].double().view(-1, args["group_size"])
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1).float()
+    advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1, 1)
+    return (advantages * batch["completion_mask"]).float()
 
 
 def token_weighted_group_advantages(batch, args):

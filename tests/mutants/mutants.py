@@ -1182,4 +1182,20 @@ MUTANTS = [
         find="candidates = [chosen] if chosen else [*sys.path, checkout]",
         replace="candidates = [chosen, *sys.path, checkout] if chosen else [*sys.path, checkout]",
     ),
+    dict(
+        name="skyrl-expectation-std-eps-grpo-flag",
+        file="verifier/peer_expectations.py",
+        tests=["tests/test_verify_skyrl.py", "-k", "grpo_known"],
+        what="the expected SkyRL GRPO advantage divides by std + --adv-eps, not SkyRL's own 1e-6",
+        find="advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1, 1)",
+        replace='advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + args["adv_eps"])).view(-1, 1)',
+    ),
+    dict(
+        name="skyrl-expectation-kl-token-mean",
+        file="verifier/peer_expectations.py",
+        tests=["tests/test_verify_skyrl.py", "-k", "grpo_known"],
+        what="the expected SkyRL KL loss a token mean of the batch, not its worker's per-sequence mean",
+        find='loss = loss + args["beta"] * _sequence_mean(log_r.exp() - 1 - log_r, mask) / num_seqs',
+        replace='loss = loss + args["beta"] * ((log_r.exp() - 1 - log_r) * mask).sum() / batch["num_tokens"]',
+    ),
 ]
