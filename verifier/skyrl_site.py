@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import types
+import warnings
 
 import torch
 
@@ -86,11 +87,14 @@ ppo_utils, torch_utils, worker, model_wrapper, trainer = load()
 
 @contextlib.contextmanager
 def _on_cpu():
-    """The worker moves its micro-batch to torch.cuda.current_device(): here the CPU, where nothing moves."""
+    """The worker moves its micro-batch to torch.cuda.current_device(): here the CPU, where nothing moves; its CUDA
+    autocast is off on the CPU (torch's warning that says so is not repeated to the user)."""
     saved = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+            yield
     finally:
         torch.cuda.current_device = saved
 
