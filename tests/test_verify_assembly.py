@@ -3,8 +3,9 @@ same loss on the same batch: verl's ppo_loss (verl/workers/utils/losses.py) agai
 adapter runs OpenRLHF's own training_step; here its loss is checked against OpenRLHF's pieces written as
 training_step writes them (the KL a token mean whatever the policy loss's mode), and its difference from this
 project's loss is exactly the KL's aggregation (the known difference it declares). TRL's adapter assembles nothing:
-its loss is GRPOTrainer._compute_loss, its train_loss GRPOTrainer.compute_loss. SkyRL's workers and AReaL's engine
-are run on each micro-batch beside their adapters' other tests (tests/test_verify_skyrl.py, test_verify_areal.py)."""
+its loss is GRPOTrainer._compute_loss, its train_loss GRPOTrainer.compute_loss. SkyRL's and AReaL's adapters run their
+workers and engine themselves (verifier/skyrl_site.py, areal_site.py): tests/test_verify_skyrl.py and
+test_verify_areal.py plant bugs there."""
 
 import os
 import sys

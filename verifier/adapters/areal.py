@@ -3,130 +3,38 @@
     pip install --no-deps --target .areal-site -r requirements/areal.txt    # a folder of its own
     python verify.py DUMP --against areal           # found in .areal-site, or the folder $AREAL_SITE names
 
-What is called, unchanged (read in .areal-site/areal):
+What is called, unchanged (loaded by verifier/areal_site.py, which says what stands in for what):
   advantages, returns,  PPOActor._compute_advantages (trainer/ppo/actor.py) on the batch laid out as AReaL lays it
   rewards               out (each prompt and completion right-padded, log-probs rolled by one): the score at the
                         last token, - kl_ctl * KLEstimator(k1, k2, k3) on every token, GAE (GRPO: gamma = lambda =
-                        1 and no critic, so each token's advantage is the score) and its Normalization (adv_norm:
-                        GRPO the group's mean and the group's or the batch's std, PPO the batch's mean and std)
-  kl                    utils/data.py KLEstimator (functional.py's masked_normalization is called by no trainer path
-                        of 1.0.4: adv_norm is utils/data.py's Normalization)
-  losses                grpo_loss_fn (trainer/ppo/actor.py), the actor's loss function, around ppo_actor_loss_fn
-                        (utils/functional/functional.py: token or GSPO's sequence ratio), scaled by the engine's
-                        loss_weight_fn share (engine/fsdp_engine.py: local weight / total weight, the micro-batch's
-                        tokens over the minibatch's); PPO: + vf_coef * ppo_critic_loss_fn, scaled the same way
-  log-probs             the engine's (engine/fsdp_engine.py): the batch in AReaL's right-padded layout,
-                        utils/data.py amend_position_ids, the labels rolled by one, utils/functional/vocab_parallel.py
-                        gather_logprobs on logits / temperature (the gradient row's log-probs too)
+                        1 and no critic, so each token's advantage is the score) and its Normalization (adv_norm)
+  kl                    utils/data.py KLEstimator
+  log-probs             the engine's training path (engine/fsdp_engine.py, _compute_logprobs_entropy:
+                        gather_logprobs_entropy on logits / temperature, the labels rolled by one) on the policy's
+                        logits with utils/data.py's amend_position_ids
+  loss, gradient        FSDPEngine._compute_logprobs_and_loss: the engine's log-probs, grpo_loss_fn (the actor's
+                        loss function around ppo_actor_loss_fn) bound as PPOActor._ppo_update binds it, scaled by
+                        the loss_weight_fn written in _ppo_update (the micro-batch's tokens) over the minibatch's;
+                        PPO: + vf_coef * the same with trainer/ppo/critic.py's ppo_loss_fn on this project's
+                        critic's values; loss: the dump's stored log-probs as the logits of two outcomes
 
-AReaL's package __init__ files import its inference and training engines; the modules above are loaded one by
-one instead. Stand-ins, while they load, for what they import and these calls never use: areal.api and
-areal.api.cli_args (engine and config classes, annotations), areal.infra and the experimental controller (the
-controller classes actor.py defines beside PPOActor), areal.utils.logging (colorlog), stats_tracker and perf_tracer
-(logging of statistics: no-ops), seqpack (numba), einops and torchdata (imported by utils/data.py for its other
-functions); areal.infra.platforms says is_npu_available, so vocab_parallel.py gathers eagerly rather than under
-torch.compile (its NPU path: the same function, uncompiled). Nothing of AReaL is copied here. AReaL has no KL term
-in the loss (kl_ctl puts it in the reward), one loss aggregation (the token mean), no entropy bonus (grpo_loss_fn
-detaches the entropy: a dump with --ent-coef > 0 leaves the loss rows not compared) and no adaptive KL controller;
-its critic's values come from this project's critic. There is no `update`: AReaL's optimizer is its engine's.
+AReaL has no KL term in the loss (kl_ctl puts it in the reward), one loss aggregation (the token mean), no entropy
+bonus (grpo_loss_fn detaches the entropy: a dump with --ent-coef > 0 leaves the loss rows not compared) and no
+adaptive KL controller. Its known differences are exact expectations (verifier/peer_expectations.py). Nothing is
+written out (WRITTEN_OUT is empty). There is no `update`: AReaL's optimizer step is its engine's.
 """
 
-import contextlib
-import os
-import sys
+import functools
 import types
 
 import torch
 
+from verifier import peer_expectations as expected
 from verifier import peer_site
 
-PACKAGES = ["areal", "areal.utils", "areal.utils.functional", "areal.trainer", "areal.trainer.ppo"]
-STUBS = [
-    "areal.api",
-    "areal.api.cli_args",
-    "areal.infra",
-    "areal.infra.platforms",
-    "areal.infra.rpc",
-    "areal.infra.rpc.serialization",
-    "areal.experimental",
-    "areal.experimental.training_service",
-    "areal.experimental.training_service.controller",
-    "areal.experimental.training_service.controller.controller",
-    "areal.utils.logging",
-    "areal.utils.stats_tracker",
-    "areal.utils.perf_tracer",
-    "areal.utils.seqpack",
-    "einops",
-    "torchdata",
-    "torchdata.stateful_dataloader",
-]
+areal_site = peer_site.fresh("verifier.areal_site")  # where $AREAL_SITE points now
+actor, data, functional = areal_site.actor, areal_site.data, areal_site.functional
 
-
-def _nothing(*args, **kwargs):
-    """A logging call of AReaL's (stats_tracker): it records statistics, never the loss."""
-
-
-def _identity_decorator(*args, **kwargs):
-    return lambda fn: fn
-
-
-@contextlib.contextmanager
-def _scope(*args, **kwargs):
-    yield
-
-
-def _stub(module):
-    """What each stand-in offers: names that are annotations, base classes or logging."""
-    name = module.__name__
-    if name == "areal.utils.logging":
-        module.getLogger = lambda *a, **k: types.SimpleNamespace(info=_nothing, warning=_nothing, debug=_nothing)
-    elif name == "areal.utils.stats_tracker":
-        module.__getattr__ = lambda attribute: _nothing
-        module.scope_func_wrapper, module.scope = _identity_decorator, _scope
-    elif name == "areal.utils.perf_tracer":
-        module.trace_perf = _identity_decorator
-    elif name == "areal.infra.platforms":
-        # True: vocab_parallel.py's log-prob gather runs eagerly, not under torch.compile (a speed choice only)
-        module.current_platform, module.is_npu_available = None, True
-    else:  # classes and helpers imported by name and never called here
-        module.__getattr__ = lambda attribute: type(attribute, (), {})
-
-
-def _load():
-    """AReaL's actor and functional modules, from $AREAL_SITE when set, else sys.path or .areal-site."""
-    root = peer_site.find(
-        "areal",
-        os.path.join("trainer", "ppo", "actor.py"),
-        "pip install --no-deps --target .areal-site -r requirements/areal.txt",
-    )
-    before = set(sys.modules)
-    saved = {name: sys.modules.get(name) for name in PACKAGES}
-    for name in PACKAGES:  # namespace packages: their __init__ files (engines, vLLM, ray) are not run
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = package
-    try:
-        with peer_site.stubbed(STUBS, fill=_stub):
-            functional = __import__("areal.utils.functional.functional", fromlist=["*"])
-            sys.modules["areal.utils.functional"].__dict__.update(
-                {k: v for k, v in vars(functional).items() if not k.startswith("__")}
-            )  # what the package's __init__ re-exports (its vocab_parallel import needs the platforms)
-            actor = __import__("areal.trainer.ppo.actor", fromlist=["*"])
-            data = sys.modules["areal.utils.data"]
-            vocab = __import__("areal.utils.functional.vocab_parallel", fromlist=["*"])
-    finally:  # AReaL's modules stay loaded under this adapter's names; sys.modules is as it was
-        for name in set(sys.modules) - before:
-            if name.startswith("areal"):
-                sys.modules.pop(name, None)
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return actor, functional, data, vocab
-
-
-actor, functional, data, vocab = _load()
 OPTIONS = {}
 
 
@@ -145,28 +53,28 @@ def _unsupported(args, loss=False):
         raise NotImplementedError("AReaL's actor has no entropy bonus (grpo_loss_fn detaches it): use --ent-coef 0")
 
 
+WRITTEN_OUT = []  # every piece from the model's logits to the backpropagated loss is AReaL's own
+NORMALIZATION = "areal/trainer/ppo/actor.py, PPOActor._compute_advantages (utils/data.py, Normalization)"
+
+
 def known_differences(args, options):
-    """{quantity: the difference, where it is in AReaL, and how large it can be}: what --accept can take."""
+    """{quantity: the difference, where it is in AReaL, and what AReaL must give by design (verifier/
+    peer_expectations.py)}: what --accept can take."""
     out = {}
-    if args["script"] == "grpo":
+    if args["script"] == "grpo" and args["scale_rewards"] != "none":
         out["advantages"] = dict(
             why="AReaL normalises the advantages over tokens (adv_norm on each token's return, masked by the loss "
-            "mask): a group's mean (and std) weigh each completion by its length, grpo.py's by one; the same when a "
-            "group's completions are equally long, and grows with how unequal they are: the bound is the one measured "
-            "on verify.py's recommended dump (rel 5e-02) with a margin; a dump whose groups differ more in length "
-            "fails it, showing the size",
-            where="areal/trainer/ppo/actor.py, PPOActor._compute_advantages (self.adv_norm(advantages, loss_mask))",
-            bound=("rel", 0.1),
+            "mask): a group's mean and std weigh each completion by its length (the std unbiased over tokens), "
+            "grpo.py's by one",
+            where=NORMALIZATION,
+            expect=expected.token_weighted_group_advantages,
         )
     if args["script"] == "ppo":
-        n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
-        out["advantages"] = dict(  # 1 - sqrt(1 - 1 / N) <= 1 - sqrt(1 - 1 / n); the eps terms for a std >= 1e-2
-            why="AReaL whitens GAE's advantages as (A - mean) / (std + 1e-5) with the unbiased std, ppo.py as "
-            "(A - mean) * rsqrt(var + --adv-eps) with the population variance: a factor sqrt(1 - 1 / N) over N real "
-            "tokens (at least the n completions), 1e-5 / std and adv_eps / (2 var) (1e-3 and 5e3 adv_eps for a std "
-            "of 1e-2)",
-            where="areal/utils/data.py, Normalization (std_unbiased=True, eps=1e-5)",
-            bound=("rel", 1 - (1 - 1 / n) ** 0.5 + 1e-3 + 5e3 * args["adv_eps"]),
+        out["advantages"] = dict(
+            why="AReaL whitens GAE's advantages as (A - mean) / (std + 1e-5) with the unbiased std over the real "
+            "tokens, ppo.py as (A - mean) * rsqrt(var + --adv-eps) with the population variance",
+            where=NORMALIZATION + ", std_unbiased=True, eps=1e-5",
+            expect=expected.advantages_only(expected.unbiased_normalized),
         )
     return out
 
@@ -285,32 +193,45 @@ def kl(batch, args):
     raise NotImplementedError("AReaL's GRPO has no KL term in the loss: kl_ctl puts it into the reward")
 
 
-def _losses(new_logp, batch, args, new_values=None):
-    """grpo_loss_fn on the micro-batch, weighted as the engine weighs it (its tokens over the minibatch's); PPO adds
-    vf_coef * the critic's ppo_critic_loss_fn, weighted the same way."""
-    _unsupported(args, loss=True)
-    mask = batch["completion_mask"].bool()
-    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
-    advantages = batch["advantages"]
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(new_logp)
-    input_data = dict(logprobs=old_logp, advantages=advantages, loss_mask=mask, prox_logp=old_logp)
-    loss = actor.grpo_loss_fn(
-        new_logp,
-        torch.zeros_like(new_logp),
-        input_data,
+def _actor_loss_fn(args):
+    """grpo_loss_fn as PPOActor._ppo_update binds it (functools.partial) from the actor's config."""
+    return functools.partial(
+        actor.grpo_loss_fn,
         eps_clip=args["clip_low"],
         eps_clip_higher=args["clip_high"],
         c_clip=None,
         importance_sampling_level=args.get("importance_level", "token"),
     )
-    share = mask.count_nonzero() / batch["num_tokens"]  # loss_weight_fn / total_loss_weight
-    total = loss * share
+
+
+def _ids(batch):
+    """The micro-batch's ids and attention mask in AReaL's layout (each sequence right-padded); `where` as _layout."""
+    where, attention_mask, _ = _layout(batch)
+    width = attention_mask.shape[1]
+    input_ids = _at(batch["prompt_ids"] * batch["prompt_mask"], _prompt_positions(batch), width)
+    input_ids = input_ids + _at(batch["completion_ids"] * batch["completion_mask"], where, width)
+    return input_ids, attention_mask, where
+
+
+def _losses(policy_logits, values, batch, args, old_logp, input_ids, where):
+    """The engine's _compute_logprobs_and_loss on the micro-batch with the actor's grpo_loss_fn and its loss weight
+    (the micro-batch's tokens over the minibatch's); PPO adds vf_coef * the same with the critic's ppo_loss_fn."""
+    _unsupported(args, loss=True)
+    mask = batch["completion_mask"].float()
+    width = input_ids.shape[1]
+
+    def at(x):  # each completion token's value where AReaL keeps it: at the position that predicts the token
+        return _at(x.float() * mask, where - 1, width)
+
+    advantages = batch["advantages"]
+    advantages = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+    inputs = dict(logprobs=at(old_logp), advantages=at(advantages), loss_mask=at(mask), prox_logp=at(old_logp))
+    total = areal_site.engine_loss(args, policy_logits, input_ids, inputs, _actor_loss_fn(args), batch["num_tokens"])
     if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
-        value_loss, _ = functional.ppo_critic_loss_fn(
-            new_values.float(), batch["values"].float(), batch["returns"].float(), args["cliprange_value"], mask
-        )
-        total = total + args["vf_coef"] * value_loss * share
+        inputs = dict(values=at(batch["values"]), returns=at(batch["returns"]), loss_mask=at(mask))
+        fn = functools.partial(areal_site.critic.ppo_loss_fn, eps_clip=args["cliprange_value"])
+        critic_loss = areal_site.engine_loss(args, values[..., None], input_ids, inputs, fn, batch["num_tokens"], True)
+        total = total + args["vf_coef"] * critic_loss
     return total
 
 
@@ -322,11 +243,11 @@ def per_token_loss(batch, args):
     real = batch["completion_mask"]
     weight = torch.ones(real.shape, requires_grad=True)
     advantages = batch["advantages"] if args["script"] == "ppo" else batch["advantages"][:, None].expand_as(real)
-    # the actor's loss alone
-    policy_only = dict(args, script="grpo", beta=0.0, loss_agg="token-mean", scale_rewards="group")
-    policy_only["num_iterations"] = 2 if args["script"] == "ppo" else args["num_iterations"]
-    token_sum = _losses(batch["new_logp"], dict(batch, advantages=advantages * weight, num_tokens=1), policy_only)
-    (per_token,) = torch.autograd.grad(token_sum, weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t = m_t L_t at w = 1
+    new_logp = batch["new_logp"]
+    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
+    inputs = dict(logprobs=old_logp, advantages=advantages * weight, loss_mask=real.bool(), prox_logp=old_logp)
+    token_mean = _actor_loss_fn(args)(new_logp, torch.zeros_like(new_logp), inputs)
+    (per_token,) = torch.autograd.grad(token_mean * real.sum(), weight)  # d(sum_t m_t L_t(w_t A_t)) / d w_t at w = 1
     if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
         flat = [t.reshape(-1, 1).float() for t in (batch["new_values"], batch["values"], batch["returns"])]
         masks = real.reshape(-1, 1).bool().split(1)
@@ -341,20 +262,30 @@ def per_token_loss(batch, args):
 
 
 def loss(batch, args):
-    return _losses(batch["new_logp"], batch, args, batch.get("new_values"))
+    """The engine's loss on the dump's stored outputs: the log-probs as the logits of two outcomes (the token and
+    the rest: gather_logprobs_entropy at the temperature gives them back), the values as the critic's output."""
+    input_ids, attention_mask, where = _ids(batch)
+    width, logp = attention_mask.shape[1], batch["new_logp"].float()
+    two = torch.stack([logp, torch.log(-torch.expm1(logp))], -1) * args["temperature"]  # [N, T, 2]
+    logits = torch.zeros(len(logp), width, 2).scatter(1, (where - 1)[..., None].expand_as(two), two)
+    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else logp
+    values = _at(batch["new_values"].float(), where - 1, width) if "new_values" in batch else None
+    return _losses(logits, values, batch, args, old_logp, torch.zeros_like(input_ids), where)
+
+
+def _logits(model, input_ids, attention_mask):
+    """The policy's logits on AReaL's layout with utils/data.py's amend_position_ids, as the engine prepares them."""
+    inputs = data.amend_position_ids(dict(input_ids=input_ids, attention_mask=attention_mask))
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs["position_ids"]).logits
 
 
 def token_logprobs(model, batch, args):
-    """The engine's log-probs on AReaL's layout (right-padded): amend_position_ids, the labels rolled by one and
-    gather_logprobs on logits / temperature (engine/fsdp_engine.py), read back at each completion token."""
-    where, attention_mask, _ = _layout(batch)
-    width = attention_mask.shape[1]
-    input_ids = _at(batch["prompt_ids"] * batch["prompt_mask"], _prompt_positions(batch), width)
-    input_ids = input_ids + _at(batch["completion_ids"] * batch["completion_mask"], where, width)
-    inputs = data.amend_position_ids(dict(input_ids=input_ids, attention_mask=attention_mask))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs["position_ids"]).logits
-    labels = torch.roll(input_ids, shifts=-1, dims=-1)
-    logprobs = vocab.gather_logprobs(logits, labels, temperature=args["temperature"])
+    """The engine's training-path log-probs (_compute_logprobs_entropy: gather_logprobs_entropy on logits /
+    temperature, the labels rolled by one) on AReaL's layout, read back at each completion token."""
+    input_ids, attention_mask, where = _ids(batch)
+    with torch.no_grad():
+        logits = _logits(model, input_ids, attention_mask)
+        logprobs, _ = areal_site.engine_self(args)._compute_logprobs_entropy(logits, dict(input_ids=input_ids))
     return logprobs.gather(1, where - 1) * batch["completion_mask"]
 
 
@@ -368,11 +299,12 @@ def _prompt_positions(batch):
 
 
 def train_loss(model, batch, args, critic=None):
-    new_logp = token_logprobs(model, batch, args)
-    new_values = None
-    if critic is not None:  # this project's critic: AReaL's is its engine's model
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        T = batch["completion_ids"].shape[1]
-        new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
-    return _losses(new_logp, batch, args, new_values)
+    """The engine's loss from the policy's logits (and this project's critic's values: AReaL's critic is its own
+    engine's model) on AReaL's layout; GRPO at one iteration takes the old log-probs from a first forward."""
+    input_ids, attention_mask, where = _ids(batch)
+    old_logp = batch.get("old_logp")
+    if args["script"] == "grpo" and args["num_iterations"] == 1:
+        old_logp = token_logprobs(model, batch, args)
+    values = critic(input_ids, attention_mask) if critic is not None else None
+    logits = _logits(model, input_ids, attention_mask)
+    return _losses(logits, values, batch, args, old_logp, input_ids, where)

@@ -4,176 +4,100 @@
         -r requirements/skyrl.txt                      # a folder of its own (its wheel says Python >= 3.12)
     python verify.py DUMP --against skyrl              # found in .skyrl-site, or the folder $SKYRL_SITE names
 
-What is called, unchanged (read in .skyrl-site/skyrl/backends/skyrl_train/utils/ppo_utils.py):
-  advantages, returns  compute_advantages_and_returns, the trainer's call (trainer.py), through its
+What is called, unchanged (loaded by verifier/skyrl_site.py, which says what stands in for what):
+  advantages, returns  compute_advantages_and_returns (utils/ppo_utils.py), the trainer's call, through its
                        AdvantageEstimatorRegistry: "grpo" (grpo_norm_by_std False for --scale-rewards none),
-                       "gae", and "reinforce++" for ppo.py without a critic (--vf-coef 0 --lam 1), with its
-                       masked_whiten
-  rewards              compute_approx_kl, subtracted from the score as the trainer's apply_reward_kl_penalty does
-                       (trainer.py: rewards - kl * kl_loss_coef)
+                       "gae", and "reinforce++" for ppo.py without a critic at --lam 1, with its masked_whiten
+  rewards, kl_coef     the trainer's apply_reward_kl_penalty (train/trainer.py) with its AdaptiveKLController:
+                       compute_approx_kl subtracted from the score, the controller fed avg_kl over the completions
   kl                   compute_approx_kl (k1, k2, k3)
-  kl_coef              AdaptiveKLController.update, fed the summed KL of each completion as ppo.py feeds its
-                       controller; --set controller_kl=mean feeds it as the trainer does (a known difference)
-  losses               PolicyLossRegistry's "regular" (ppo_policy_loss) or "gspo" (gspo_policy_loss) on advantages
-                       scaled by apply_loss_reduction_to_advantages_minibatch (token_mean, sequence_mean,
-                       seq_mean_token_sum_norm), then the worker's assembly (workers/worker.py,
-                       _forward_backward_micro): policy_loss + kl_loss_coef * masked_mean(compute_approx_kl(k3),
-                       dim=-1).mean() * microbatch_weight (the micro-batch's share of its minibatch's sequences);
-                       PPO: - entropy_loss_coef * masked_mean(entropy, loss_mask) * microbatch_weight (its
-                       chunked_entropy_from_logits) + vf_coef * ppo_critic_loss * microbatch_weight
-                       (tests/test_verify_skyrl.py runs SkyRL's own workers on each micro-batch: the same loss)
-  log-probs            torch_utils.logprobs_from_logits on logits / temperature, with the position ids of
-                       HFModelWrapper.forward (attention_mask.cumsum(-1) - 1, 1 on padding)
+  log-probs            HFModelWrapper.forward (workers/model_wrapper.py) around the policy: its position ids,
+                       logits / temperature, logprobs_from_logits and its shift
+  loss, gradient       the trainer's _normalize_advantages (apply_loss_reduction_to_advantages_minibatch), then
+                       the workers' own _forward_backward_micro (workers/worker.py): PolicyWorkerBase's (the
+                       PolicyLossRegistry's "regular" or "gspo", its KL and entropy terms weighted by
+                       microbatch_weight) on the wrapper's output (loss: a model returning the dump's stored
+                       outputs), and for PPO vf_coef * CriticWorkerBase's, its model SkyRL's CriticModel.forward
+                       on this project's critic
 
-SkyRL's ppo_utils imports ray (its registries sync through a ray actor once ray is initialised: never here),
-jaxtyping (annotations), loguru (warnings) and skyrl.train.config (AlgorithmConfig, an annotation; its module
-imports omegaconf and skyrl_gym's environments): each is an empty stand-in while the module loads, and the config
-SkyRL's functions read is a namespace of exactly the fields they read. Its package __init__ files are not run.
-Nothing of SkyRL is copied here. The position-id line of HFModelWrapper.forward is written out: its module needs
-flash-attn and peft. The critic's values come from this project's critic; the PPO loss is policy + vf_coef *
-critic loss (SkyRL trains its critic apart, unscaled). There is no `update`: SkyRL's optimizer is its strategy's.
+The loss SkyRL backpropagates is what its strategy's backward receives; its critic trains apart, unscaled, so the
+PPO loss here is policy + vf_coef * critic loss. Its known differences are exact expectations
+(verifier/peer_expectations.py). Nothing is written out (WRITTEN_OUT is empty). There is no `update`: SkyRL's
+optimizer step is its FSDP strategy's.
 """
 
-import os
-import sys
 import types
 
 import numpy as np
 import torch
 
+from verifier import peer_expectations as expected
 from verifier import peer_site
 
-PACKAGES = ["skyrl", "skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.utils"]
-STUBS = ["ray", "jaxtyping", "loguru", "omegaconf", "skyrl.train", "skyrl.train.config"]
+skyrl_site = peer_site.fresh("verifier.skyrl_site")  # where $SKYRL_SITE points now
+ppo_utils, worker = skyrl_site.ppo_utils, skyrl_site.worker
+
 REDUCTIONS = {  # grpo.py --loss-agg: SkyRL's loss_reduction
     "token-mean": "token_mean",
     "seq-mean-token-mean": "sequence_mean",
     "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
 }
-
-
-class _Annotation:
-    """jaxtyping's Float / Integer: subscripted in annotations only."""
-
-    def __class_getitem__(cls, item):
-        return cls
-
-
-def _load():
-    """SkyRL's ppo_utils and torch_utils, from $SKYRL_SITE when set, else sys.path or .skyrl-site."""
-    root = peer_site.find(
-        "skyrl",
-        os.path.join("backends", "skyrl_train", "utils", "ppo_utils.py"),
-        "pip install --no-deps --target .skyrl-site --python-version 3.12 --only-binary=:all: --ignore-requires-python "
-        "-r requirements/skyrl.txt",
-    )
-    saved = {name: sys.modules.get(name) for name in PACKAGES}
-    for name in PACKAGES:  # namespace packages: their __init__ files (the tinker backend) are not run
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = package
-    names = [
-        "skyrl.backends.skyrl_train.utils." + m for m in ("ppo_utils", "torch_utils", "off_policy_correction_utils")
-    ]
-    try:
-        with peer_site.stubbed(STUBS) as stubs:
-            stubs["ray"].remote = lambda cls: cls  # RegistryActor: a class ray would host, never started
-            stubs["ray"].is_initialized = lambda: False
-            stubs["jaxtyping"].Float = stubs["jaxtyping"].Integer = _Annotation
-            stubs["loguru"].logger = types.SimpleNamespace(info=print, warning=print, error=print)
-            stubs["omegaconf"].DictConfig = object
-            stubs["skyrl.train.config"].AlgorithmConfig = object
-            ppo_utils = __import__(names[0], fromlist=["*"])
-            torch_utils = sys.modules[names[1]]
-    finally:  # SkyRL's modules stay loaded under this adapter's names; sys.modules is as it was
-        for name in names:
-            sys.modules.pop(name, None)
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    ppo_utils.repopulate_all_registries()
-    return ppo_utils, torch_utils
-
-
-ppo_utils, torch_utils = _load()
-OPTIONS = {"controller_kl": "summed"}  # what AdaptiveKLController is fed: ppo.py's (summed) or SkyRL's trainer's
 EPSILON = 1e-6  # compute_grpo_outcome_advantage's default: the trainer passes none
-options = dict(OPTIONS)
+WRITTEN_OUT = []  # every piece from the model's forward to the backpropagated loss is SkyRL's own
+WORKER = "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro"
 
 
-def setup(args, chosen, model):
-    if chosen["controller_kl"] not in ("summed", "mean"):
-        raise NotImplementedError(f"--set controller_kl={chosen['controller_kl']}: summed or mean")
-    options.update(chosen)
-
-
-def known_differences(args, chosen):
-    """{quantity: the difference, where it is in SkyRL, and how large it can be}: what --accept can take."""
+def known_differences(args, options):
+    """{quantity: the difference, where it is in SkyRL, and what SkyRL must give by design (verifier/
+    peer_expectations.py)}: what --accept can take."""
     out = {}
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and args["adv_eps"] != EPSILON:
         out["advantages"] = dict(
             why=f"compute_grpo_outcome_advantage divides by std + 1e-6 (the trainer passes no epsilon), grpo.py by "
-            f"std + --adv-eps {args['adv_eps']:g} (a dump with --adv-eps 1e-6 matches); the relative difference is "
-            "about adv_eps / the group's std",
+            f"std + --adv-eps {args['adv_eps']:g} (a dump with --adv-eps 1e-6 matches)",
             where="skyrl/backends/skyrl_train/utils/ppo_utils.py, compute_grpo_outcome_advantage",
-            bound=("rel", max(100 * args["adv_eps"], 1e-5)),
+            expect=expected.group_std_advantages,
+        )
+    losses = []
+    if args["script"] == "grpo" and args["beta"] > 0 and args["loss_agg"] != "seq-mean-token-mean":
+        losses.append(
+            f"its KL loss is averaged per sequence, then over sequences, grpo.py's by --loss-agg {args['loss_agg']}"
         )
     if args["script"] == "ppo":
-        n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
+        whiten = expected.unbiased_whitened
         out["advantages"] = dict(
-            why="SkyRL whitens GAE's advantages with the unbiased variance (times N / (N - 1) over N real tokens), "
-            "ppo.py with the population variance: they differ by a factor sqrt(1 - 1 / N), under 1 / N",
+            why="SkyRL whitens GAE's advantages with the unbiased variance (times N / (N - 1) over N real tokens) "
+            "and eps 1e-8 inside the root, ppo.py with the population variance and --adv-eps",
             where="skyrl/backends/skyrl_train/utils/ppo_utils.py, masked_whiten (masked_var, unbiased=True)",
-            bound=("rel", 1 / n),
+            expect=expected.advantages_only(whiten),
         )
-        terms = [
-            ("vf_coef", "its ppo_critic_loss averages the value loss per sequence (masked_mean(loss, dim=-1).mean())"),
-            ("ent_coef", "its entropy loss is the micro-batch's token mean (masked_mean(entropy, loss_mask))"),
-        ]
-        terms = [text for flag, text in terms if args[flag] > 0]
-        where = "skyrl/backends/skyrl_train/workers/worker.py, _forward_backward_micro; utils/ppo_utils.py"
-        if terms:  # measured (recommended PPO dump; REINFORCE++): loss rel 2.1e-04, 1.2e-03; gradient 1.7e-02, 3.2e-05
-            why = (
-                f"SkyRL weighs a term by each micro-batch's share of sequences (microbatch_weight), ppo.py every token "
-                f"of the minibatch alike: {'; '.join(terms)}; the same per-token terms (the per-token loss row), "
-                "weighted otherwise wherever completions differ in length"
-            )
-            out["loss"] = dict(why=why, where=where, bound=("rel", args["vf_coef"] + args["ent_coef"]))
-            out["gradient"] = dict(
-                why="the same weights on the gradient: measured rel 1.7e-02 on verify.py's recommended PPO dump, "
-                "3.2e-05 without a critic (the entropy's alone); the bound is that with a margin, and a dump whose "
-                "completions differ more in length fails it, showing the size",
-                where=where,
-                bound=("rel", 5e-2 if args["vf_coef"] > 0 else 1e-3),
-            )
-        if args["target_kl"] is not None and chosen["controller_kl"] == "mean":
+        if args["vf_coef"] > 0:
+            losses.append("its ppo_critic_loss averages the value loss per sequence, then over sequences")
+        if args["ent_coef"] > 0:
+            losses.append("its entropy loss is the micro-batch's token mean, weighted by its share of sequences")
+        if args["target_kl"] is not None:
             out["kl_coef"] = dict(
                 why="SkyRL's trainer feeds AdaptiveKLController the mean over completions of each one's per-token "
-                "mean KL, ppo.py the summed KL per completion; both errors are clipped to +-0.2, so the "
-                "coefficients differ by at most 0.4 * N / kl_horizon",
-                where="skyrl/train/trainer.py, apply_reward_kl_penalty (update(current=avg_kl))",
-                bound=("rel", 0.4 * n / args["kl_horizon"]),
+                "mean KL (its kl_estimator_type), ppo.py the summed k1 KL per completion",
+                where="skyrl/train/trainer.py, apply_reward_kl_penalty (update(current=avg_kl, n_steps=N))",
+                expect=expected.kl_coef_fed_token_means,
             )
+    if losses:
+        why = f"SkyRL's worker weighs its terms otherwise than ppo.py and grpo.py: {'; '.join(losses)}"
+        out["loss"] = dict(why=why, where=WORKER, expect=expected.skyrl_loss)
+        out["gradient"] = dict(why=why, where=WORKER, expect=expected.skyrl_train_loss)
+        if args["script"] == "ppo" and args["vf_coef"] > 0:
+            out["critic gradient"] = dict(why=why, where=WORKER, expect=expected.skyrl_train_loss)
     return out
 
 
-def differences(args, chosen):
-    out = [f"{q}: {spec['why']} (--accept {q})" for q, spec in known_differences(args, chosen).items()]
-    if args["script"] == "grpo" and args["beta"] > 0 and args["loss_agg"] != "seq-mean-token-mean":
+def differences(args, options):
+    out = [f"{q}: {spec['why']} (--accept {q})" for q, spec in known_differences(args, options).items()]
+    if args["script"] == "ppo" and args["missing_eos_penalty"] > 0:
         out.append(
-            f"the KL loss: SkyRL's worker averages it per sequence, then over sequences (masked_mean(kl, dim=-1)"
-            f".mean()), whatever loss_reduction; grpo.py aggregates it with the policy loss by --loss-agg "
-            f"{args['loss_agg']}: the loss and gradient differ wherever completions differ in length "
-            "(workers/worker.py, _forward_backward_micro)"
+            "SkyRL has no missing-EOS penalty of this form: the adapter subtracts --missing-eos-penalty from the "
+            "score it passes to apply_reward_kl_penalty"
         )
-    if args["script"] == "ppo":
-        if args["missing_eos_penalty"] > 0:
-            out.append(
-                "SkyRL has no missing-EOS penalty of this form: the adapter subtracts --missing-eos-penalty from the "
-                "score it passes to apply_reward_kl_penalty's formula"
-            )
     out.append(
         "SkyRL clamps the log-ratio to [-20, 20] (safe_exp_delta) and its k3 to [-10, 10]: only extreme ratios; "
         "its dual clip (policy_loss_type dual_clip) is not this project's"
@@ -239,29 +163,21 @@ def gae(batch, args):
 
 
 def rewards(batch, args):
-    """apply_reward_kl_penalty's formula: the score at its token, minus kl_loss_coef * compute_approx_kl."""
+    """The trainer's apply_reward_kl_penalty on the score at its token (less --missing-eos-penalty, which SkyRL has
+    not): the score minus kl_loss_coef * compute_approx_kl."""
     mask = batch["completion_mask"]
     has_eos = (torch.isin(batch["completion_ids"], batch["eos_ids"]) & mask.bool()).any(1)
     last = mask.cumsum(1).argmax(1)  # the last real token of each completion
     penalty = torch.zeros(mask.shape).index_put_(
         (torch.arange(len(mask)), last), args["missing_eos_penalty"] * ~has_eos
     )
-    kl = ppo_utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], mask, args["kl_estimator"])
-    return (batch["token_scores"] - penalty) - kl * max(0, batch["kl_coef"].item())
+    return skyrl_site.reward_kl_penalty(batch, args, batch["token_scores"] - penalty)[0]
 
 
 def kl_coef(batch, args):
-    """AdaptiveKLController.update fed the summed k1 KL of each completion (ppo.py's), or the per-token mean of the
-    penalty's KL as SkyRL's trainer feeds it (--set controller_kl=mean)."""
-    mask = batch["completion_mask"]
-    if options["controller_kl"] == "summed":
-        per_completion = ppo_utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], mask, "k1").sum(-1)
-    else:
-        kl = ppo_utils.compute_approx_kl(batch["old_logp"], batch["ref_logp"], mask, args["kl_estimator"])
-        per_completion = torch_utils.masked_mean(kl, mask, dim=-1)  # the trainer's kl_mean
-    controller = ppo_utils.AdaptiveKLController(batch["kl_coef"].item(), args["target_kl"], args["kl_horizon"])
-    controller.update(current=per_completion.mean().item(), n_steps=len(per_completion))
-    return torch.tensor(controller.value)
+    """The coefficient after the trainer's apply_reward_kl_penalty has updated its AdaptiveKLController with the
+    batch (fed the mean over completions of each one's per-token mean KL, n_steps the completions)."""
+    return torch.tensor(skyrl_site.reward_kl_penalty(batch, args, batch["token_scores"])[1])
 
 
 def kl(batch, args):
@@ -272,21 +188,19 @@ def kl(batch, args):
     return ppo_utils.compute_approx_kl(batch["new_logp"], batch["ref_logp"], mask, "k3")
 
 
-def token_logprobs(model, batch, args, entropy=False):
-    """HFModelWrapper.forward's log-probs (with `entropy`: and its chunked_entropy_from_logits), as the worker reads."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    position_ids = attention_mask.long().cumsum(-1) - 1  # HFModelWrapper.forward's two lines
-    position_ids.masked_fill_(attention_mask == 0, 1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits / args["temperature"]
-    log_probs = torch_utils.logprobs_from_logits(logits, torch.roll(input_ids, shifts=-1, dims=1))
-    T = batch["completion_ids"].shape[1]
-    log_probs = log_probs[:, -T - 1 : -1] * batch["completion_mask"]
-    if not entropy:
-        return log_probs
-    H = torch_utils.chunked_entropy_from_logits(logits, requires_grad=True, attention_mask=attention_mask)
-    return log_probs, H[:, -T - 1 : -1]
+def _sequences(batch):
+    return torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1), torch.cat(
+        [batch["prompt_mask"], batch["completion_mask"]], 1
+    )
+
+
+def token_logprobs(model, batch, args):
+    """HFModelWrapper.forward's action log-probs (its position ids, logits / temperature, its shift)."""
+    sequences, attention_mask = _sequences(batch)
+    mask = batch["completion_mask"]
+    with torch.no_grad():
+        out = skyrl_site.wrapped(model)(sequences, mask.shape[1], attention_mask, temperature=args["temperature"])
+    return out * mask
 
 
 def _minibatch_mask(mask, num_seqs, num_tokens):
@@ -302,34 +216,81 @@ def _minibatch_mask(mask, num_seqs, num_tokens):
     return torch.cat([padded, rest])
 
 
-def _losses(new_logp, batch, args, mask, new_values=None, entropy=None):
-    """The worker's loss on one micro-batch: the policy loss on reduction-scaled advantages (+ the KL loss for GRPO;
-    - the entropy loss + vf_coef * the critic loss for PPO), each other term weighted by microbatch_weight."""
-    _no_bias_correction(args)
-    config = _config(args, "gspo" if args.get("importance_level") == "sequence" else "regular")
-    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
+def _experience(batch, advantages, old_logp):
+    """The worker's Experience of one micro-batch (the fields _forward_backward_micro reads)."""
+    sequences, attention_mask = _sequences(batch)
+    return types.SimpleNamespace(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_log_probs=old_logp,
+        base_action_log_probs=batch.get("ref_logp"),
+        advantages=advantages,
+        num_actions=batch["completion_ids"].shape[1],
+        loss_mask=batch["completion_mask"].float(),
+        response_mask=batch["completion_mask"],
+        rollout_logprobs=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        rollout_sample_support=None,
+        values=batch.get("values"),
+        returns=batch.get("returns"),
+        to_device=lambda device: None,
+    )
+
+
+def _scaled(batch, args, config):
+    """The advantages as the trainer's _normalize_advantages scales them over the minibatch (its
+    apply_loss_reduction_to_advantages_minibatch), read back at the micro-batch's rows."""
+    mask = batch["completion_mask"]
     advantages = batch["advantages"]
     if args["script"] == "grpo":
-        advantages = advantages[:, None].expand_as(new_logp)
+        advantages = advantages[:, None].expand(mask.shape)
     n, T = mask.shape
-    whole = _minibatch_mask(mask.detach(), batch["num_seqs"], batch["num_tokens"])
-    padded_advantages = torch.nn.functional.pad(advantages, (0, whole.shape[1] - T))
-    padded_advantages = torch.cat([padded_advantages, torch.zeros(len(whole) - n, whole.shape[1])])
-    scaled = ppo_utils.apply_loss_reduction_to_advantages_minibatch(
-        padded_advantages, whole, config.loss_reduction, n, args["max_new_tokens"]
-    )[:n, :T]
-    policy_loss = ppo_utils.PolicyLossRegistry.get(config.policy_loss_type)
-    loss, _ = policy_loss(new_logp, old_logp, scaled, config, loss_mask=mask)
-    microbatch_weight = n / batch["num_seqs"]
-    if args["script"] == "grpo" and args["beta"] > 0:
-        kl_loss = ppo_utils.compute_approx_kl(new_logp, batch["ref_logp"], loss_mask=mask, kl_estimator_type="k3")
-        kl_loss = torch_utils.masked_mean(kl_loss, mask, dim=-1).mean()
-        loss = loss + kl_loss * args["beta"] * microbatch_weight
-    if args["script"] == "ppo" and args["ent_coef"] > 0:  # use_entropy_loss: the micro-batch's token mean
-        loss = loss - torch_utils.masked_mean(entropy, mask) * args["ent_coef"] * microbatch_weight
-    if args["script"] == "ppo" and args["vf_coef"] > 0:  # no critic: no value loss
-        critic_loss, _ = ppo_utils.ppo_critic_loss(new_values, batch["values"], batch["returns"], config, mask)
-        loss = loss + args["vf_coef"] * critic_loss * microbatch_weight
+    whole = _minibatch_mask(mask, batch["num_seqs"], batch["num_tokens"])
+    padded = torch.nn.functional.pad(advantages.float(), (0, whole.shape[1] - T))
+    padded = torch.cat([padded, torch.zeros(len(whole) - n, whole.shape[1])])
+    return skyrl_site.normalized_advantages(padded, whole, config, n)[:n, :T]
+
+
+def _losses(policy, batch, args, old_logp, critic=None):
+    """What SkyRL's workers backpropagate on the micro-batch: PolicyWorkerBase._forward_backward_micro (the policy
+    loss on the scaled advantages, + the KL loss for GRPO, - the entropy loss for PPO, those weighted by
+    microbatch_weight) with `policy` its model; PPO adds vf_coef * CriticWorkerBase._forward_backward_micro's loss
+    with `critic` its model (SkyRL trains its critic apart: its loss unscaled)."""
+    _no_bias_correction(args)
+    loss_type = "gspo" if args.get("importance_level") == "sequence" else "regular"
+    config = _config(args, loss_type)
+    ppo = args["script"] == "ppo"
+    config.__dict__.update(
+        temperature=args["temperature"],
+        use_entropy_loss=ppo and args["ent_coef"] > 0,
+        entropy_loss_coef=args["ent_coef"] if ppo else 0.0,
+        use_kl_loss=not ppo and args["beta"] > 0,
+        kl_loss_coef=0.0 if ppo else args["beta"],
+        kl_estimator_type="k3",
+        enable_sample_support_replay=False,
+    )
+    experience = _experience(batch, _scaled(batch, args, config), old_logp)
+    weight = len(batch["completion_mask"]) / batch["num_seqs"]  # forward_backward's microbatch_weight
+    loss = skyrl_site.backpropagated(
+        worker.PolicyWorkerBase._forward_backward_micro,
+        policy,
+        config,
+        experience,
+        weight,
+        policy_loss_fn=ppo_utils.PolicyLossRegistry.get(loss_type),
+    )
+    if ppo and args["vf_coef"] > 0:  # no critic: no value loss
+        critic_loss = skyrl_site.backpropagated(
+            worker.CriticWorkerBase._forward_backward_micro,
+            critic,
+            config,
+            experience,
+            weight,
+            critic_loss_fn=ppo_utils.ppo_critic_loss,
+            _micro_batches_accumulated=0,
+        )
+        loss = loss + args["vf_coef"] * critic_loss
     return loss
 
 
@@ -362,18 +323,29 @@ def per_token_loss(batch, args):
     return per_token
 
 
+def _at_positions(values, batch):
+    """[n, T] values of the completion's tokens as a model's output holds them, [n, P + T]: each at the position
+    that predicts its token (the worker reads [:, -num_actions - 1 : -1])."""
+    out = torch.zeros(len(values), batch["prompt_ids"].shape[1] + values.shape[1])
+    out[:, -values.shape[1] - 1 : -1] = values
+    return out
+
+
 def loss(batch, args):
-    mask = batch["completion_mask"]
-    return _losses(batch["new_logp"], batch, args, mask, batch.get("new_values"), batch.get("entropy"))
+    """The workers' loss with models that return the dump's stored outputs (log-probs, entropy, values)."""
+    new_logp = batch["new_logp"]
+    entropy = batch.get("entropy", torch.zeros_like(new_logp))
+    old_logp = batch["old_logp"] if args["script"] == "ppo" or args["num_iterations"] > 1 else new_logp.detach()
+    policy = skyrl_site.Stored(new_logp, {"entropy": _at_positions(entropy, batch)})
+    return _losses(policy, batch, args, old_logp, skyrl_site.Stored(batch.get("new_values"), None))
 
 
 def train_loss(model, batch, args, critic=None):
-    out = token_logprobs(model, batch, args, entropy=args["script"] == "ppo" and args["ent_coef"] > 0)
-    new_logp, entropy = out if isinstance(out, tuple) else (out, None)  # with the gradient: use_entropy_loss
-    new_values = None
-    if critic is not None:  # this project's critic: SkyRL's is its worker's model
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        T = batch["completion_ids"].shape[1]
-        new_values = critic(input_ids, attention_mask)[:, -T - 1 : -1] * batch["completion_mask"]
-    return _losses(new_logp, batch, args, batch["completion_mask"], new_values, entropy)
+    """The workers' loss with SkyRL's HFModelWrapper around the policy and its CriticModel.forward on this
+    project's critic (SkyRL's is its own worker's model); GRPO at one iteration takes the old log-probs from a
+    first forward of the wrapper, as SkyRL's trainer does before its update."""
+    policy = skyrl_site.wrapped(model)
+    old_logp = batch.get("old_logp")
+    if args["script"] == "grpo" and args["num_iterations"] == 1:
+        old_logp = token_logprobs(model, batch, args)
+    return _losses(policy, batch, args, old_logp, skyrl_site.critic_model(critic) if critic is not None else None)
