@@ -67,7 +67,8 @@ class RunArgs:
 
 
 def parse_args(args_class, hub_defaults):
-    """(the command line as `args_class`, the fields of `hub_defaults` it sets: those keep the value given).
+    """(the command line as `args_class`, the fields it sets: those keep the value given over a hub default, and an
+    --output-dir given makes a branch of --resume even at its default).
 
     --help shows each field's default as declared, and the hub defaults in the description.
     """
@@ -80,7 +81,7 @@ def parse_args(args_class, hub_defaults):
     )
     args = one_line_parse_errors(lambda: tyro.cli(args_class, description=description))
     flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
-    return args, {key for key in hub_defaults if flag(key) in flags}
+    return args, {field.name for field in dataclasses.fields(args) if flag(field.name) in flags}
 
 
 def one_line_parse_errors(parse):

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, threads
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, run_folder, threads
 from machinery import distributed as dist
 from machinery.errors import UsageError
 
@@ -23,6 +23,8 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     dtype, checkpoint state (None unless --resume), folder and start time."""
     threads.check_environment()  # OMP_NUM_THREADS=100000 would start that many threads at the first parallel op
     dist.check_environment()  # WORLD_SIZE, RANK and the like, read by the checks below
+    run_folder.GIVEN.clear()
+    run_folder.GIVEN.update(flags_given)  # an --output-dir given as its default still makes a branch of --resume
     preset = flags.apply_hub_defaults(args, hub_defaults, flags_given)
     check_args(args)
     check_model_names(args)
@@ -169,4 +171,5 @@ def resume(args, run, trained, optimizer, scheduler, sampler, loaders, history=N
         return 1, history or {"score": [], "length": [], "tokens": 0}
     for name, model in trained.items():
         lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
+    checkpoints.check_unchanged(run.state)  # the weights read are of the step whose state was read
     return checkpoints.restore_state(run.state, optimizer, scheduler, sampler)

@@ -206,9 +206,9 @@ def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, t
     to refuse when the run resuming it leaves the flag at its default; another value is refused, naming it."""
     folder = tmp_path / "run" / "checkpoint"
     shutil.copytree(os.path.join(three_steps, "checkpoint"), folder)
-    state = torch.load(folder / "state.pt", weights_only=False)
+    state, _ = checkpoints.read_state(folder)
     del state["args"]["bias_corrected_kl"], state["args"]["scale_rewards"]
-    torch.save(state, folder / "state.pt")
+    checkpoints.write_state(folder / checkpoints.STATE, state)
     with pytest.raises(
         UsageError,
         match=r"was written before --scale-rewards existed, so it ran as with "

@@ -42,7 +42,7 @@ def test_a_branch_continues_in_a_new_folder_and_leaves_the_checkpoints_as_it_was
     root, checkpoint, whole, whole_scalars = saved
     source = os.path.dirname(checkpoint)
     before = folder_hashes(source)
-    assert "checkpoint/state.pt" in before and any(name.startswith("events.out") for name in before)
+    assert "checkpoint/state.safetensors" in before and any(name.startswith("events.out") for name in before)
     branched = grpo.main(quick_args("grpo", root / "same", num_steps=3, resume=checkpoint))
     assert folder_hashes(source) == before  # not one file of the checkpoint's run folder changed, none added
     run_dir = only_run_dir(root / "same")

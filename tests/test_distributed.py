@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import common
 import grpo
 import ppo
+from machinery import checkpoints, dumps, models, prompt_cache
 from machinery import distributed as dist
-from machinery import dumps, models, prompt_cache
 from machinery.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -324,7 +324,7 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, digits_tas
         err.seek(0)
         stderr = err.read()
     assert launcher.returncode != 0 and "stopped by a signal to another process after step" in stderr, stderr[-3000:]
-    step = torch.load(os.path.join(only_run(tmp_path / "runs"), "checkpoint", "state.pt"), weights_only=False)["step"]
+    step = checkpoints.read_state(os.path.join(only_run(tmp_path / "runs"), "checkpoint"))[0]["step"]
     assert 3 <= step < 12
     assert f"stopped by a signal to another process after step {step}; resume with: torchrun" in stderr
 
