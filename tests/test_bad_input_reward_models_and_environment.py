@@ -112,7 +112,7 @@ def test_omp_num_threads_is_bounded_as_threads_is(monkeypatch):
 def test_a_local_rank_is_checked_against_the_sizes_the_launcher_set():
     """torchrun sets LOCAL_WORLD_SIZE; other launchers (torch.multiprocessing.spawn) may set only WORLD_SIZE: then a
     LOCAL_RANK is bounded by the launch's processes."""
-    launch = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK="1")
+    launch = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="2", RANK="1")
     dist.check_environment(dict(launch, LOCAL_RANK="1"))
     with pytest.raises(UsageError, match="LOCAL_RANK is 2, not below WORLD_SIZE 2"):
         dist.check_environment(dict(launch, LOCAL_RANK="2"))
