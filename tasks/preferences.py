@@ -161,7 +161,7 @@ def check_pair(row, where):
             raise UsageError(f'{where}: "{key}" {what}: a pair compares two written completions')
     if chosen == rejected:
         raise UsageError(f'{where}: "chosen" equals "rejected" ({shorten(texts[0])}): a pair needs two different ones')
-    kept = other_fields(row, ("prompt", "chosen", "rejected"))  # a variant's `margin`, as int or float
+    kept = other_fields(row, ("prompt", "chosen", "rejected"), where)  # a variant's `margin`, as int or float
     return {**kept, "prompt": prompt, "chosen": chosen, "rejected": rejected, "where": where}
 
 

@@ -17,7 +17,7 @@ import torch
 from test_bad_input_numbers_sizes_models import small_args
 
 import grpo
-from machinery import checkpoints, dumps, flags, gguf_convert, models
+from machinery import checkpoints, dumps, flags, gguf_convert, models, run_folder
 from machinery.errors import UsageError
 from tasks import check_dense
 from tasks import user as user_tasks
@@ -325,7 +325,7 @@ def test_principle8_seed_plus_rank_stays_below_2_to_the_32(tmp_path, monkeypatch
 
 def test_principle8_two_resumes_of_one_checkpoint_at_once(three_steps, monkeypatch):
     """Another process's run holds the folder's lock: a resume is refused before it reads anything."""
-    monkeypatch.setattr(checkpoints, "LOCKS", [])
+    monkeypatch.setattr(run_folder, "LOCKS", [])
     with open(os.path.join(three_steps, ".lock"), "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(UsageError, match=r"the run folder .* is in use by another run \(its \.lock is held\)"):
