@@ -319,7 +319,7 @@ def load_checkpoint(folder, script, args, task=None):
             at_default = value == defaults.get(key)  # no flag given: "drop the flag" would mean nothing
             fix = f"pass {flag} {saved[key]}" if at_default else "drop the flag or pass the checkpoint's value"
             raise UsageError(
-                f"--resume {folder!r} was run with {flag} {shorten(saved[key], 80)}, not "
+                f"--resume {folder!r} was run with {flag} {str(saved[key])[:80]}, not "
                 f"{'the default ' if at_default else ''}{value}{why}: {fix}"
                 + ("" if branch else "; or branch the run with --output-dir NEW, where a variant's flags may differ")
             )

@@ -100,11 +100,11 @@ def check_model_names(args):
 
 def check_embeddings(reward_model, config):
     """A --reward-model whose tokenizer writes ids past its embeddings fails at its first score, step 1: refused now."""
-    ids, size = len(models.load_tokenizer(reward_model)), config.get_text_config().vocab_size
+    ids, size = model_checks.token_ids(models.load_tokenizer(reward_model)), config.get_text_config().vocab_size
     if ids > size:
         raise UsageError(
-            f"--reward-model {reward_model!r}: its tokenizer writes ids up to {ids - 1}, past the {size} embeddings of "
-            "its model: pass a reward model saved with its own tokenizer (reward_model.py's RUN/final)"
+            f"--reward-model {reward_model!r}: its tokenizer writes ids up to {ids - 1}, but its model embeds only "
+            f"{size}: pass a reward model saved with its own tokenizer (reward_model.py's RUN/final)"
         )
 
 
