@@ -382,7 +382,7 @@ def restore_state(state, optimizer, scheduler, sampler):
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rank_rng"][dist.rank()] if "rank_rng" in state else state["rng"])
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+    except (KeyError, ValueError, TypeError, RuntimeError, AttributeError, IndexError) as e:  # a crafted state too
         raise UsageError(
             f"the checkpoint's optimizer, schedule or RNG state does not fit this run ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}): start a new run"

@@ -92,8 +92,8 @@ def refuse_none_text(args_class, argv):
     for i, word in enumerate(argv):
         name, _, value = word.partition("=") if "=" in word else (word, "", argv[i + 1] if i + 1 < len(argv) else "")
         if name.replace("_", "-") in optional and value == "None":
-            what = "the text None in quotes inside the prompt" if "system" in name else "a path such as ./None"
-            raise UsageError(f"{name} None: None would read as no {name} at all; leave the flag out, or write {what}")
+            what = "reword the prompt" if "system" in name else "write a path such as ./None"
+            raise UsageError(f"{name} None: None would read as no {name} at all; leave the flag out, or {what}")
 
 
 def one_line_parse_errors(parse):
