@@ -380,7 +380,10 @@ def waiting_alone(seconds):
 
 def test_a_wait_for_a_peer_that_never_comes_is_bounded():
     process, _ = waiting_alone(2)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()  # a wait that was not bounded
     assert (
         process.returncode == 1
         and stderr.strip().splitlines() == [stderr.strip().splitlines()[-1]]
@@ -399,7 +402,10 @@ def test_a_wait_for_a_peer_is_interruptible(signum):
         time.sleep(0.2)
     time.sleep(0.5)
     process.send_signal(signum)
-    _, stderr = process.communicate(timeout=30)
+    try:
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()  # a wait the signal did not end
     assert process.returncode == 128 + signum, stderr
     assert stderr.strip().splitlines()[-1] == f"{signal.Signals(signum).name} before the first step: nothing was saved"
 
