@@ -274,7 +274,7 @@ def check_names(args):
     write into the current folder); --exp-name is one plain name: the run folder stays inside --output-dir."""
     for name, fix in EMPTY.items():
         if getattr(args, name, None) == "":
-            raise UsageError(f"{flag(name)} is empty (an unset shell variable?): pass {fix}")
+            raise UsageError(f"{flag(name)} is empty: pass {fix}")
     name = args.exp_name
     if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise UsageError(
