@@ -320,7 +320,7 @@ def load_checkpoint(folder, script, args, task=None):
             fix = f"pass {flag} {saved[key]}" if at_default else "drop the flag or pass the checkpoint's value"
             raise UsageError(
                 f"--resume {folder!r} was run with {flag} {str(saved[key])[:80]}, not "
-                f"{'the default ' if at_default else ''}{value}{why}: {fix}"
+                f"{value}{why}: {fix}"
                 + ("" if branch else "; or branch the run with --output-dir NEW, where a variant's flags may differ")
             )
     gone = sorted(set(saved) - set(given) - RESUMABLE_CHANGES)

@@ -224,9 +224,7 @@ def test_an_old_checkpoint_says_which_value_to_pass(run):
     checkpoints.write_state(os.path.join(folder, checkpoints.STATE), state)
     with pytest.raises(UsageError) as error:
         grpo.main(quick_args("grpo", os.path.dirname(run), num_steps=3, resume=folder))
-    assert "run with --gradient-checkpointing off, not the default auto: pass --gradient-checkpointing off" in one_line(
-        error
-    )
+    assert "run with --gradient-checkpointing off, not auto: pass --gradient-checkpointing off" in one_line(error)
     grpo.main(quick_args("grpo", os.path.dirname(run), num_steps=3, resume=folder, gradient_checkpointing="off"))
 
 
