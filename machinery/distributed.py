@@ -21,18 +21,24 @@ gathering inside every forward, would save that memory but gather the whole mode
 
 import contextlib
 import os
+import re
 import signal
+import socket
 import sys
+import threading
+import time
 
 import torch
 
-from machinery.errors import UsageError
+from machinery.errors import UsageError, shorten
 
 _device = torch.device("cpu")  # where collectives run: gloo on CPU tensors, nccl on this process's GPU
 
 
 LAUNCH_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")  # torchrun's counts of processes: at least 1
 LAUNCH_INDICES = {"RANK": "WORLD_SIZE", "LOCAL_RANK": "LOCAL_WORLD_SIZE"}  # this process's place among them
+MAX_PROCESSES = 1_000_000  # more than any launch holds; a count past it is a typo, not a cluster
+PEER_WAIT_SECONDS = 600  # how long the processes wait for one another to join (a peer that never comes)
 
 
 def check_environment(environ=os.environ):
@@ -44,10 +50,15 @@ def check_environment(environ=os.environ):
         text = environ.get(name)
         if text is None:
             continue
-        if not text.strip().isdigit() or len(text.strip()) > 9:
+        if not re.fullmatch(r"[0-9]+", text.strip()):  # ASCII digits: str.isdigit also takes '²', which int refuses
             raise UsageError(
                 f"{name} is {text[:40]!r}: torchrun sets it to a whole number (0, 1, 2, ...); unset it, or start "
                 "with torchrun"
+            )
+        if len(text.strip()) > 7 or int(text) > MAX_PROCESSES:
+            raise UsageError(
+                f"{name} is {text.strip()[:40]}: more processes than a launch holds (at most {MAX_PROCESSES}); unset "
+                "it, or start with torchrun"
             )
         values[name] = int(text)
     for name in LAUNCH_SIZES:
@@ -72,6 +83,24 @@ def check_environment(environ=os.environ):
             f"WORLD_SIZE is {values['WORLD_SIZE']} but MASTER_ADDR is not set, so the processes cannot meet: start "
             "the run with torchrun (docs/torchrun.md), or unset WORLD_SIZE"
         )
+    if values.get("WORLD_SIZE", 1) > 1:
+        check_master(environ["MASTER_ADDR"], environ.get("MASTER_PORT"))
+
+
+def check_master(address, port):
+    """MASTER_PORT a port (1 to 65535), MASTER_ADDR a host that resolves: else the processes retry until killed."""
+    if port is None or not re.fullmatch(r"[0-9]{1,5}", port.strip()) or not 1 <= int(port) <= 65535:
+        raise UsageError(
+            f"MASTER_PORT is {shorten(port, 40)}: set it to a port number from 1 to 65535 (torchrun sets a free "
+            "one), or start with torchrun"
+        )
+    try:
+        socket.getaddrinfo(address, int(port))
+    except (OSError, UnicodeError) as e:
+        raise UsageError(
+            f"MASTER_ADDR {address[:60]!r} cannot be resolved ({getattr(e, 'strerror', None) or e}): set it to the "
+            "first node's address, or start with torchrun"
+        ) from None
 
 
 def initialized():
@@ -93,7 +122,7 @@ def launch_number(name, default):
     """torchrun's variable `name` as a number; `default` where it is unset or no whole number (check_environment
     refuses that, in one line printed as the first process's)."""
     text = os.environ.get(name, "").strip()
-    return int(text) if text.isdigit() and len(text) <= 9 else default
+    return int(text) if re.fullmatch(r"[0-9]{1,7}", text) else default
 
 
 def is_main():
@@ -137,8 +166,7 @@ def init(device):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if not initialized():
-        with _signals_to_main_thread():
-            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        join_process_group("nccl" if device.type == "cuda" else "gloo")
     _device = device
     if not is_main() and sys.stdout is sys.__stdout__:
         sys.stdout = open(os.devnull, "w")
@@ -169,6 +197,34 @@ def shard(*models):
                     unit.set_gradient_divide_factor(1.0)
                     unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return models if len(models) > 1 else models[0]
+
+
+def join_process_group(backend):
+    """init_process_group, waiting for the other processes at most PEER_WAIT_SECONDS. It runs in a thread of its own
+    (with the threads it starts, signals blocked: _signals_to_main_thread) while the main thread waits for it with
+    signals open, so Ctrl-C or SIGTERM stop a wait for a peer that never comes; a wait past the bound is one line."""
+    failed = []
+
+    def join():
+        try:
+            torch.distributed.init_process_group(backend)
+        except Exception as e:  # raised again in the main thread
+            failed.append(e)
+
+    with _signals_to_main_thread():  # the thread inherits the blocked signals; the main thread unblocks them after
+        joining = threading.Thread(target=join, name="join_process_group", daemon=True)
+        joining.start()
+    deadline = time.monotonic() + PEER_WAIT_SECONDS
+    while joining.is_alive():
+        joining.join(0.1)
+        if joining.is_alive() and time.monotonic() > deadline:
+            raise UsageError(
+                f"process {rank()} of {world_size()} waited {PEER_WAIT_SECONDS} s for the others at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, and not all came: start every "
+                "process (torchrun does), with the same MASTER_ADDR and MASTER_PORT"
+            )
+    if failed:
+        raise failed[0]
 
 
 @contextlib.contextmanager

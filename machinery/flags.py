@@ -67,7 +67,8 @@ class RunArgs:
 
 
 def parse_args(args_class, hub_defaults):
-    """(the command line as `args_class`, the fields of `hub_defaults` it sets: those keep the value given).
+    """(the command line as `args_class`, the fields it sets: those keep the value given over a hub default, and an
+    --output-dir given makes a branch of --resume even at its default).
 
     --help shows each field's default as declared, and the hub defaults in the description.
     """
@@ -78,9 +79,21 @@ def parse_args(args_class, hub_defaults):
         f"{inspect.cleandoc(args_class.__doc__)}\n\n"
         f"On a model other than tiny, HUB_DEFAULTS replace these defaults: {hub}."
     )
+    refuse_none_text(args_class, sys.argv[1:])
     args = one_line_parse_errors(lambda: tyro.cli(args_class, description=description))
     flags = {word.split("=")[0].replace("_", "-") for word in sys.argv[1:] if word.startswith("--")}
-    return args, {key for key in hub_defaults if flag(key) in flags}
+    return args, {field.name for field in dataclasses.fields(args) if flag(field.name) in flags}
+
+
+def refuse_none_text(args_class, argv):
+    """The command line parser reads the text None as no value for a flag that may be unset (--resume None would
+    start a new run, --reward-model None train on the task's reward): refused in one line, never read as unset."""
+    optional = {flag(f.name) for f in dataclasses.fields(args_class) if f.default is None}
+    for i, word in enumerate(argv):
+        name, _, value = word.partition("=") if "=" in word else (word, "", argv[i + 1] if i + 1 < len(argv) else "")
+        if name.replace("_", "-") in optional and value == "None":
+            what = "reword the prompt" if "system" in name else "write a path such as ./None"
+            raise UsageError(f"{name} None: None would read as no {name} at all; leave the flag out, or {what}")
 
 
 def one_line_parse_errors(parse):
@@ -239,12 +252,35 @@ def check_run_args(args):
             "--system-prompt goes into the chat template's system turn, and --no-chat-template uses none: drop "
             "--system-prompt, or write it into the task's prompts"
         )
-    if args.dump_dir == "":
-        raise UsageError("--dump-dir is empty: pass a folder to dump into, or leave the flag out for no dumps")
+    check_names(args)
     for name in ("eval_every", "save_every", "sample_every"):
         if getattr(args, name) < 0:
             raise UsageError(f"{flag(name)} is {getattr(args, name)}: use 0 for never, or a positive number of steps")
     lora.check_args(args)
+
+
+EMPTY = {  # a flag given as '' (an unset shell variable): what it would have meant, and what to pass instead
+    "dump_dir": "a folder to dump into, or leave the flag out for no dumps",
+    "resume": "a checkpoint folder, or leave the flag out for a new run",
+    "reward_model": "a reward model's folder or hub id, or leave the flag out for the task's reward",
+    "critic_model": "the critic's folder or hub id, or leave the flag out for the policy's",
+    "output_dir": "a folder for the run folders (runs by default)",
+    "exp_name": "a name for the run",
+}
+
+
+def check_names(args):
+    """Folder and model flags given as '' are refused (an unset shell variable would silently unset --resume, or
+    write into the current folder); --exp-name is one plain name: the run folder stays inside --output-dir."""
+    for name, fix in EMPTY.items():
+        if getattr(args, name, None) == "":
+            raise UsageError(f"{flag(name)} is empty: pass {fix}")
+    name = args.exp_name
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UsageError(
+            f"--exp-name {name[:60]!r} is not a plain name: it would place the run folder elsewhere than directly "
+            "in --output-dir; pass a name without / (choose the folder with --output-dir)"
+        )
 
 
 def apply_hub_defaults(args, hub_defaults, given=()):

@@ -53,13 +53,18 @@ def embedding_rows(model):
     return model.get_input_embeddings().weight.shape[0]
 
 
+def token_ids(tokenizer):
+    """How many ids the tokenizer may write: its count of tokens, or its largest id + 1 where ids have gaps."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
 def check_token_ids(model, tokenizer, eos_ids, name):
     """Every id the tokenizer can write, and every EOS id, must have an embedding: an id past the embedding
     indexes out of range (a device-side assert on GPU)."""
     embeddings = embedding_rows(model)
-    if len(tokenizer) > embeddings:
+    if token_ids(tokenizer) > embeddings:
         raise UsageError(
-            f"the tokenizer of {name!r} has {len(tokenizer)} tokens, but its model embeds only "
+            f"the tokenizer of {name!r} has {token_ids(tokenizer)} tokens, but its model embeds only "
             f"{embeddings}: pass the tokenizer saved with the model (or resize its embeddings)"
         )
     bad = [i for i in eos_ids if not 0 <= i < embeddings]

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, threads
+from machinery import bookkeeping, checkpoints, dumps, flags, lora, model_checks, models, precision, run_folder, threads
 from machinery import distributed as dist
 from machinery.errors import UsageError
 from machinery.learnt_reward import RewardModel
@@ -24,6 +24,9 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     dtype, checkpoint state (None unless --resume), folder and start time."""
     threads.check_environment()  # OMP_NUM_THREADS=100000 would start that many threads at the first parallel op
     dist.check_environment()  # WORLD_SIZE, RANK and the like, read by the checks below
+    check_cache_home(os.environ.get("XDG_CACHE_HOME"))
+    run_folder.GIVEN.clear()
+    run_folder.GIVEN.update(flags_given)  # an --output-dir given as its default still makes a branch of --resume
     preset = flags.apply_hub_defaults(args, hub_defaults, flags_given)
     check_args(args)
     check_model_names(args)
@@ -44,6 +47,24 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     )
 
 
+def check_cache_home(cache):
+    """XDG_CACHE_HOME, where the tiny models are built and the hub's models downloaded: an absolute folder this
+    process can write in, or can make. One line otherwise (a relative one would move with the working folder)."""
+    if cache is None:
+        return
+    existing = cache
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isabs(cache) or not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        why = (
+            "not an absolute path" if not os.path.isabs(cache) else f"{existing} is not a folder this user can write in"
+        )
+        raise UsageError(
+            f"XDG_CACHE_HOME is {cache[:80]!r}, {why}: the models are kept there; set it to a writable absolute "
+            "folder, or unset it"
+        )
+
+
 def check_model_names(args):
     """Refuse each model name of these Args that is neither a folder nor a hub id now, naming its flag; a
     --critic-model whose vocabulary is not the policy's; a --system-prompt nothing takes, or too long; LoRA flags
@@ -58,6 +79,7 @@ def check_model_names(args):
     if getattr(args, "reward_model", None) is not None:  # a reward model, by its config: no weight loads
         config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.reward_model))
         model_checks.check_reward_model_config(config, args.reward_model, "--reward-model")
+        check_embeddings(args.reward_model, config)
     if getattr(args, "critic_model", None) not in (None, args.model):
         check_same_vocabulary(args.model, args.critic_model)
     config = models.from_pretrained(AutoConfig, models.resolve_model_path(args.model))
@@ -75,6 +97,16 @@ def check_model_names(args):
     if hasattr(args, "prompts_per_step"):  # a policy's step; reward_model.py bounds its own with its pairs
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one precision.pick_device picks
         model_checks.check_step_fits(args, config, device, dist.world_size(), critic_config)
+
+
+def check_embeddings(reward_model, config):
+    """A --reward-model whose tokenizer writes ids past its embeddings fails at its first score, step 1: refused now."""
+    ids, size = model_checks.token_ids(models.load_tokenizer(reward_model)), config.get_text_config().vocab_size
+    if ids > size:
+        raise UsageError(
+            f"--reward-model {reward_model!r}: its tokenizer writes ids up to {ids - 1}, but its model embeds only "
+            f"{size}: pass a reward model saved with its own tokenizer (reward_model.py's RUN/final)"
+        )
 
 
 def check_reward_model_task(reward_model, task):
@@ -170,4 +202,5 @@ def resume(args, run, trained, optimizer, scheduler, sampler, loaders, history=N
         return 1, history or {"score": [], "length": [], "tokens": 0}
     for name, model in trained.items():
         lora.restore_weights(model, os.path.join(args.resume, name), loaders[name])
+    checkpoints.check_unchanged(run.state)  # the weights read are of the step whose state was read
     return checkpoints.restore_state(run.state, optimizer, scheduler, sampler)

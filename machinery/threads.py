@@ -79,10 +79,28 @@ def omp_num_threads(env, cores):
     return int(first)
 
 
-def check_environment():
-    """OMP_NUM_THREADS checked like --threads, before anything runs on threads (startup.start calls it first)."""
-    if os.environ.get("OMP_NUM_THREADS") is not None:
-        omp_num_threads(os.environ["OMP_NUM_THREADS"], usable_cores())
+# Thread counts our dependencies read from the environment, each starting that many threads: BLAS libraries (MKL,
+# OpenBLAS, BLIS, Apple's Accelerate), numexpr, the tokenizers' pool (Rayon, under TOKENIZERS_PARALLELISM) and
+# torch.compile's workers. RAYON_NUM_THREADS=100000 would take every process slot of the machine, as OMP's would.
+THREAD_COUNTS = (
+    "MKL_NUM_THREADS OPENBLAS_NUM_THREADS GOTO_NUM_THREADS BLIS_NUM_THREADS VECLIB_MAXIMUM_THREADS NUMEXPR_NUM_THREADS "
+    "NUMEXPR_MAX_THREADS RAYON_NUM_THREADS RAYON_RS_NUM_CPUS TORCHINDUCTOR_COMPILE_THREADS".split()
+)
+
+
+def check_environment(environ=os.environ):
+    """OMP_NUM_THREADS checked like --threads, and every other thread count of THREAD_COUNTS bounded the same way
+    (1 to 4 x cores), before anything runs on threads (startup.start calls it first): one line each."""
+    cores = usable_cores()
+    if environ.get("OMP_NUM_THREADS") is not None:
+        omp_num_threads(environ["OMP_NUM_THREADS"], cores)
+    for name in THREAD_COUNTS:
+        text = environ.get(name)
+        if text is not None and not (re.fullmatch(r"[0-9]{1,6}", text.strip()) and 1 <= int(text) <= 4 * cores):
+            raise UsageError(
+                f"{name} is {text[:40]!r}: set it to a number of threads from 1 to {4 * cores} (this machine has "
+                f"{cores} cores), or unset it"
+            )
 
 
 def usable_cores():

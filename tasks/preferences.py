@@ -161,7 +161,7 @@ def check_pair(row, where):
             raise UsageError(f'{where}: "{key}" {what}: a pair compares two written completions')
     if chosen == rejected:
         raise UsageError(f'{where}: "chosen" equals "rejected" ({shorten(texts[0])}): a pair needs two different ones')
-    kept = other_fields(row, ("prompt", "chosen", "rejected"))  # a variant's `margin`, as int or float
+    kept = other_fields(row, ("prompt", "chosen", "rejected"), where)  # a variant's `margin`, as int or float
     return {**kept, "prompt": prompt, "chosen": chosen, "rejected": rejected, "where": where}
 
 
@@ -231,7 +231,23 @@ def load_task(name, args):
         check_lengths(tokenizer, pairs, config.get_text_config(), args.model)
         shortest = shortest_pair(tokenizer, [pair["prompt"] for pair in pairs])
     model_checks.check_pairs_fit(args, config, shortest)
+    check_batch_size(args.batch_size, args.num_pairs if task.train is None else len(task.train))
     return task
+
+
+MIN_BATCH_BOUND = 1024  # a --batch-size up to this is never refused for repeating pairs
+
+
+def check_batch_size(batch_size, n_train):
+    """A step's batch of more pairs than the training data holds each pair several times: the gradient of one pass
+    over them at that many times its cost; --batch-size 1000000 would tokenise two million texts before step 1's
+    update. Refused past max(n_train, MIN_BATCH_BOUND)."""
+    bound = max(n_train, MIN_BATCH_BOUND)
+    if batch_size > bound:
+        raise UsageError(
+            f"--batch-size {batch_size} is more than the {n_train} training pairs (and than {MIN_BATCH_BOUND}): a step "
+            f"would hold each pair about {batch_size // max(n_train, 1)} times; pass at most {bound}"
+        )
 
 
 def check_vocabulary(tokenizer, pairs, model_name):

@@ -7,9 +7,11 @@ import contextlib
 import importlib.util
 import inspect
 import json
+import math
 import numbers
 import os
 import re
+import stat
 import sys
 from decimal import Decimal
 
@@ -51,23 +53,42 @@ def check_text(text, key, where):
         ) from None
 
 
-def plain_numbers(value):
+MAX_FIELD_DEPTH = 100  # lists and objects in a field nest at most this deep (Python's recursion stops near 1000)
+MAX_INTEGER = 2**63  # an integer field's size: what a tensor (int64) holds; JSON's 5000 digits are not a number to us
+
+
+def plain_numbers(value, key="", where="", depth=0):
     """A JSON value with its numbers as Python's own: an integer as int, any other number as float (read_jsonl
-    reads them as Decimal, exactly, for the answer's digits); lists and objects converted throughout."""
+    reads them as Decimal, exactly, for the answer's digits); lists and objects converted throughout. A UsageError
+    naming the field `key` at `where` for what a later step could not hold: a number that is not a finite float
+    (1e400) or an int64, nesting past MAX_FIELD_DEPTH, text (or a key) that is not UTF-8 (a lone surrogate)."""
+    if depth > MAX_FIELD_DEPTH:
+        raise UsageError(f'{where}: field "{key}" nests deeper than {MAX_FIELD_DEPTH} levels: flatten it')
     if isinstance(value, Decimal):
-        return int(value) if value.as_tuple().exponent == 0 else float(value)  # 4 -> 4; 4.0, 1e3 -> 4.0, 1000.0
+        integer = value.as_tuple().exponent == 0
+        if integer and abs(value) >= MAX_INTEGER or not integer and not math.isfinite(float(value)):
+            kind = "an integer past 64 bits" if integer else "a number past float's range (it reads as inf)"
+            raise UsageError(f'{where}: field "{key}" holds {kind}: write it as a string, or scale it')
+        return int(value) if integer else float(value)  # 4 -> 4; 4.0, 1e3 -> 4.0, 1000.0
+    if isinstance(value, str):
+        check_text(value, key, where)
     if isinstance(value, list):
-        return [plain_numbers(item) for item in value]
+        return [plain_numbers(item, key, where, depth + 1) for item in value]
     if isinstance(value, dict):
-        return {key: plain_numbers(item) for key, item in value.items()}
+        labels = {name: name.encode("utf-8", "backslashreplace").decode() for name in value}  # printable
+        labels = {name: f"{key} > {label}" if key else label for name, label in labels.items()}
+        for name in value:
+            check_text(name, labels[name], where)
+        return {name: plain_numbers(item, labels[name], where, depth + 1) for name, item in value.items()}
     return value
 
 
-def other_fields(row, known):
+def other_fields(row, known, where=""):
     """The fields of a JSONL row besides `known`, kept for a variant of the algorithm to read (a `margin`, a
     `difficulty`): they reach the batch the loss receives (common.rollout) and the checkpoint's fingerprint of the
-    data. Their numbers as int or float (plain_numbers)."""
-    return {key: plain_numbers(value) for key, value in row.items() if key not in known}
+    data. Their numbers as int or float (plain_numbers), each field checked as plain_numbers says."""
+    fields = {key: value for key, value in row.items() if key not in known}
+    return plain_numbers(fields, "", where, -1)
 
 
 def check_example(row, where):
@@ -88,16 +109,63 @@ def check_example(row, where):
         answer = number_text(answer, where)
     check_text(prompt, "prompt", where)
     check_text(answer, "answer", where)
-    return {**other_fields(row, ("prompt", "answer")), "prompt": prompt, "answer": answer}
+    return {**other_fields(row, ("prompt", "answer"), where), "prompt": prompt, "answer": answer}
 
 
 def refuse_constant(name):
     raise ValueError(f"{name} is not a JSON number; write a finite number, or a string")
 
 
+class DuplicateKey(ValueError):
+    pass
+
+
+def unique_keys(pairs):
+    """An object's keys, each once: JSON readers differ on which of two values they keep, so neither is kept."""
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise DuplicateKey(key)
+    return dict(pairs)
+
+
 def parse_line(line):
-    """One JSON line, its numbers read exactly as Decimal: no float rounding, no 4300-digit limit of int."""
-    return json.loads(line, parse_float=Decimal, parse_int=Decimal, parse_constant=refuse_constant)
+    """One JSON line, its numbers read exactly as Decimal: no float rounding, no 4300-digit limit of int; a key
+    given twice in one object is a DuplicateKey."""
+    return json.loads(
+        line, parse_float=Decimal, parse_int=Decimal, parse_constant=refuse_constant, object_pairs_hook=unique_keys
+    )
+
+
+MAX_JSONL_BYTES = 2**31  # 2 GiB of examples: read whole, then parsed line by line
+
+
+def read_bytes(path):
+    """The bytes of the regular file `path`: a named pipe (which would block open until a writer comes), a device
+    (/dev/zero never ends) or a file past MAX_JSONL_BYTES is a UsageError, as a file that cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe opens at once, without waiting for a writer
+    except OSError as e:
+        raise UsageError(f"cannot read {path!r} ({e.strerror}): check the path") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise UsageError(f"cannot read {path!r} (Is a directory): check the path")
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path!r} is not a regular file (a pipe or a device): write the data to a file")
+        if info.st_size > MAX_JSONL_BYTES:
+            raise UsageError(f"{path!r} is {info.st_size / 2**30:.1f} GiB, more than the 2 GiB read: split it")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 2**24):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_JSONL_BYTES:  # it grew while being read
+                raise UsageError(f"{path!r} is more than the 2 GiB read: split it")
+        return b"".join(chunks)
+    except OSError as e:
+        raise UsageError(f"cannot read {path!r} ({e.strerror}): check the path") from None
+    finally:
+        os.close(fd)
 
 
 EXAMPLE_FORM = '{"prompt": "...", "answer": "..."}'
@@ -110,11 +178,7 @@ def read_jsonl(path, check=check_example, form=EXAMPLE_FORM):
     Whatever Python cannot read (a line that is not UTF-8, NaN, nesting too deep to parse) is a UsageError
     naming the line.
     """
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as e:
-        raise UsageError(f"cannot read {path!r} ({e.strerror}): check the path") from None
+    lines = read_bytes(path).split(b"\n")
     examples = []
     for number, raw in enumerate(lines, 1):
         try:
@@ -128,6 +192,10 @@ def read_jsonl(path, check=check_example, form=EXAMPLE_FORM):
             continue
         try:
             row = parse_line(line)
+        except DuplicateKey as e:
+            raise UsageError(
+                f"{path}, line {number}: the key {shorten(e.args[0], 60)} is given twice in one object: keep one"
+            ) from None
         except json.JSONDecodeError as e:
             reason = e.msg
         except ValueError as e:

@@ -92,8 +92,8 @@ BAD_INPUTS = [
     ("ppo", "--task python:{reward_py}:nan", r"returned nan .*it must return a finite number"),
     ("grpo", "--task python:{reward_py}:string", r"returned '1' .*it must return a finite number"),
     # checkpoints
-    ("grpo", "--resume {tmp}/no-such-checkpoint", r"is not a checkpoint \(no state\.pt in it\)"),
-    ("grpo", "--resume {corrupt_checkpoint}", r"state\.pt cannot be read .*the checkpoint is corrupt"),
+    ("grpo", "--resume {tmp}/no-such-checkpoint", r"is not a checkpoint \(no state\.safetensors in it\)"),
+    ("grpo", "--resume {corrupt_checkpoint}", r"state\.safetensors cannot be read .*the checkpoint is corrupt"),
     ("grpo", "--resume {ppo_checkpoint}", r"is a checkpoint of ppo\.py, not grpo\.py: resume it with that script"),
     ("ppo", "--resume {grpo_checkpoint}", r"is a checkpoint of grpo\.py, not ppo\.py: resume it with that script"),
     (
@@ -165,7 +165,7 @@ def inputs(tmp_path_factory):
         (files[f"{script}_checkpoint"],) = glob.glob(str(output_dir / "*" / "checkpoint"))
     corrupt = tmp / "corrupt-checkpoint"
     corrupt.mkdir()
-    (corrupt / "state.pt").write_bytes(b"\x00garbage" * 100)
+    (corrupt / "state.safetensors").write_bytes(b"\x00garbage" * 100)
     files["corrupt_checkpoint"] = str(corrupt)
     return files
 

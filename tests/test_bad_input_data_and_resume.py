@@ -298,10 +298,9 @@ def copy(saved, tmp_path):
 
 
 def edit_state(folder, change):
-    path = os.path.join(folder, "state.pt")
-    state = torch.load(path, weights_only=False)
+    state, _ = checkpoints.read_state(folder)
     change(state)
-    torch.save(state, path)
+    checkpoints.write_state(os.path.join(folder, checkpoints.STATE), state)
 
 
 def truncate(folder, name):
@@ -327,11 +326,11 @@ DAMAGES = {
         lambda f: os.remove(os.path.join(f, "policy", "tokenizer.json")),
         r"policy/tokenizer\.json is missing",
     ),
-    "state.pt missing a key": (lambda f: edit_state(f, lambda s: s.pop("optimizer")), r"state\.pt has no 'optimizer'"),
-    "state.pt missing its list of keys": (lambda f: edit_state(f, lambda s: s.pop("keys")), r"state\.pt has no 'keys'"),
+    "state missing a key": (lambda f: edit_state(f, lambda s: s.pop("optimizer")), r"safetensors has no 'optimizer'"),
+    "state missing its list of keys": (lambda f: edit_state(f, lambda s: s.pop("keys")), r"safetensors has no 'keys'"),
     "older version": (
         lambda f: edit_state(f, lambda s: s.pop("version")),
-        r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 2\)",
+        r"was written by an older version of grpo\.py \(checkpoint format 1, this one reads 3\)",
     ),
     "newer version": (lambda f: edit_state(f, lambda s: s.update(version=99)), r"was written by a newer version"),
     "written before a flag existed, given another value": (
@@ -342,26 +341,26 @@ DAMAGES = {
         lambda f: edit_state(f, lambda s: s["args"].update(old_flag=1)),
         r"was run with --old-flag, which this version does not have",
     ),
-    "not our state.pt": (
-        lambda f: torch.save([1, 2], os.path.join(f, "state.pt")),
-        r"state\.pt is not a checkpoint of grpo\.py, ppo\.py or reward_model\.py",
+    "not our state": (
+        lambda f: checkpoints.write_state(os.path.join(f, checkpoints.STATE), [1, 2]),
+        r"state\.safetensors is not a checkpoint of grpo\.py, ppo\.py or reward_model\.py",
     ),
-    "truncated state.pt": (
-        lambda f: truncate(f, "state.pt"),
-        r"state\.pt cannot be read \(\w+\): the checkpoint is corrupt",
+    "truncated state": (
+        lambda f: truncate(f, checkpoints.STATE),
+        r"state\.safetensors cannot be read \(\w+\): the checkpoint is corrupt",
     ),
     "history's scores cut": (
         lambda f: edit_state(f, lambda s: s["history"].update(score=[])),
-        r"state\.pt's history's score is not 1 finite numbers, one a step, not what a run writes: the checkpoint was "
-        "edited or is damaged",
+        r"state\.safetensors's history's score is not 1 finite numbers, one a step, not what a run writes: the "
+        "checkpoint was edited or is damaged",
     ),
     "history's token count a string": (
         lambda f: edit_state(f, lambda s: s["history"].update(tokens="many")),
-        r"state\.pt's history's token count is 'many'",
+        r"state\.safetensors's history's token count is 'many'",
     ),
     "history's length NaN": (
         lambda f: edit_state(f, lambda s: s["history"].update(length=[float("nan")])),
-        r"state\.pt's history's length is not 1 finite numbers",
+        r"state\.safetensors's history's length is not 1 finite numbers",
     ),
     "history gone": (lambda f: edit_state(f, lambda s: s.update(history=None)), r"history is not a dict of lists"),
     "--lora-merged dropped on resume": (
@@ -385,13 +384,15 @@ def test_every_damage_is_one_line_naming_it(copy, damage, monkeypatch):
 
 
 def test_an_old_checkpoint_of_ppo_is_refused_in_one_line(tmp_path):
-    """Before this round, ppo's state.pt had no version (and its kl_coef and critic were laid out otherwise)."""
+    """Before format 3, a checkpoint's state was state.pt, a pickle: never opened (it could run code), refused."""
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     args = ppo.Args()
     torch.save({"script": "ppo", "args": vars(args), "step": 3, "kl_coef": 0.05}, folder / "state.pt")
     with pytest.raises(
-        UsageError, match=r"was written by an older version of ppo\.py .*cannot be resumed by this one; start a new run"
+        UsageError,
+        match=r"holds state\.pt, the checkpoint format of an older version of this project, which is a pickle and "
+        r"could run code when read: this version does not open it; resume it with the version that wrote it",
     ):
         checkpoints.load_checkpoint(str(folder), "ppo", args)
 
@@ -415,7 +416,7 @@ def test_resume_from_a_run_folder_names_its_checkpoint(copy):
     folder, args = copy
     with pytest.raises(
         UsageError,
-        match=r"is not a checkpoint \(no state\.pt in it\): "
+        match=r"is not a checkpoint \(no state\.safetensors in it\): "
         rf"pass a run's checkpoint folder, such as {re.escape(folder)}$",
     ):
         checkpoints.load_checkpoint(os.path.dirname(folder), "grpo", args)
@@ -429,7 +430,7 @@ def save_killed_between_renames(tmp_path, monkeypatch, keep_tmp_state=True):
         real_rename(src, dst)
         if dst.endswith("checkpoint.old"):
             if not keep_tmp_state:  # killed earlier still: the new save had not written its state.pt
-                os.remove(os.path.join(src + ".tmp", "state.pt"))
+                os.remove(os.path.join(src + ".tmp", checkpoints.STATE))
             raise KeyboardInterrupt  # as a second Ctrl-C, or a kill, would stop it here
 
     args = quick_args(tmp_path, num_steps=2)
@@ -452,7 +453,7 @@ def test_a_kill_between_the_renames_resumes_from_the_newer_save(tmp_path, monkey
         note == f"note: {folder} was missing (a save was stopped between its renames); "
         f"resuming from the save in progress, step 2, moved back from {folder}.tmp"
     )
-    assert os.path.isfile(os.path.join(folder, "state.pt"))
+    assert os.path.isfile(os.path.join(folder, checkpoints.STATE))
 
 
 def test_a_kill_before_the_new_save_was_complete_resumes_from_the_previous_one(tmp_path, monkeypatch, capsys):
@@ -467,13 +468,13 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
     from transformers import PreTrainedModel
 
     enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    real_save, real_save_pretrained, saves = torch.save, PreTrainedModel.save_pretrained, []
+    real_save, real_save_pretrained, saves = checkpoints.write_state, PreTrainedModel.save_pretrained, []
 
-    def save(obj, path, *a, **k):
+    def save(path, state):
         saves.append(path)
         if when == "first save" or (when == "later save" and len(saves) == 2):
             raise enospc
-        return real_save(obj, path, *a, **k)
+        return real_save(path, state)
 
     def save_pretrained(self, folder, *a, **k):
         if str(folder).endswith("final.tmp"):
@@ -481,7 +482,7 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
             raise enospc
         return real_save_pretrained(self, folder, *a, **k)
 
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(checkpoints, "write_state", save)
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_pretrained)
     with pytest.raises(UsageError) as error:
         grpo.main(quick_args(tmp_path, num_steps=2))

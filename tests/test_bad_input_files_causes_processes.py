@@ -17,7 +17,7 @@ import torch
 from test_bad_input_numbers_sizes_models import small_args
 
 import grpo
-from machinery import checkpoints, dumps, flags, gguf_convert, models
+from machinery import checkpoints, dumps, flags, gguf_convert, models, run_folder
 from machinery.errors import UsageError
 from machinery.tiny_model import TINY_MODEL
 from tasks import check_dense
@@ -207,9 +207,9 @@ def test_old_checkpoint_at_default_flags_resumes_after_a_new_flag(three_steps, t
     to refuse when the run resuming it leaves the flag at its default; another value is refused, naming it."""
     folder = tmp_path / "run" / "checkpoint"
     shutil.copytree(os.path.join(three_steps, "checkpoint"), folder)
-    state = torch.load(folder / "state.pt", weights_only=False)
+    state, _ = checkpoints.read_state(folder)
     del state["args"]["bias_corrected_kl"], state["args"]["scale_rewards"]
-    torch.save(state, folder / "state.pt")
+    checkpoints.write_state(folder / checkpoints.STATE, state)
     with pytest.raises(
         UsageError,
         match=r"was written before --scale-rewards existed, so it ran as with "
@@ -326,7 +326,7 @@ def test_principle8_seed_plus_rank_stays_below_2_to_the_32(tmp_path, monkeypatch
 
 def test_principle8_two_resumes_of_one_checkpoint_at_once(three_steps, monkeypatch):
     """Another process's run holds the folder's lock: a resume is refused before it reads anything."""
-    monkeypatch.setattr(checkpoints, "LOCKS", [])
+    monkeypatch.setattr(run_folder, "LOCKS", [])
     with open(os.path.join(three_steps, ".lock"), "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(UsageError, match=r"the run folder .* is in use by another run \(its \.lock is held\)"):

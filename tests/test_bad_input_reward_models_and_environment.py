@@ -112,7 +112,7 @@ def test_omp_num_threads_is_bounded_as_threads_is(monkeypatch):
 def test_a_local_rank_is_checked_against_the_sizes_the_launcher_set():
     """torchrun sets LOCAL_WORLD_SIZE; other launchers (torch.multiprocessing.spawn) may set only WORLD_SIZE: then a
     LOCAL_RANK is bounded by the launch's processes."""
-    launch = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK="1")
+    launch = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="2", RANK="1")
     dist.check_environment(dict(launch, LOCAL_RANK="1"))
     with pytest.raises(UsageError, match="LOCAL_RANK is 2, not below WORLD_SIZE 2"):
         dist.check_environment(dict(launch, LOCAL_RANK="2"))
@@ -238,7 +238,7 @@ REWARD_MODELS = [
     ("{two}", [], "that has 2 outputs: a reward model has 1"),
     ("{no_head}", [], "has no trained 'score.weight' in its weights"),
     ("{short}", [], "has 8 positions, fewer than the longest prompt of task 'copy'"),
-    ("{few_ids}", [], "has 25 tokens, but its model embeds only 10"),
+    ("{few_ids}", [], "its tokenizer writes ids up to 24, but its model embeds only 10"),
     ("{letters_rm}", [], "does not know 11 of the characters of task 'copy'"),
     ("{one}", ["--task", "python:{reward_file}:fn"], "is scored by your reward function, which would never be called"),
     ("{one}", ["--task", "copy:3:dense"], "is scored by a dense reward, paid token by token"),

@@ -16,6 +16,7 @@ from test_reproducibility import logged_scalars, only_run_dir, quick_args
 import grpo
 import ppo
 from machinery import checkpoints, errors, models
+from machinery.tiny_model import TINY_MODEL
 
 
 def folder_hashes(folder):
@@ -45,7 +46,7 @@ def test_a_branch_continues_in_a_new_folder_and_leaves_the_checkpoints_as_it_was
     root, checkpoint, whole, whole_scalars = saved
     source = os.path.dirname(checkpoint)
     before = folder_hashes(source)
-    assert "checkpoint/state.pt" in before and any(name.startswith("events.out") for name in before)
+    assert "checkpoint/state.safetensors" in before and any(name.startswith("events.out") for name in before)
     # The checkpoint given as a relative path with a trailing slash, as a shell completes it: branched_from.json
     # still names it absolutely (it must find it from anywhere), and the source's events are still found.
     monkeypatch.chdir(root)
@@ -96,7 +97,7 @@ LORA_FIXED = [("lora_alpha", 16.0), ("lora_dropout", 0.1), ("lora_target_modules
 @pytest.fixture(scope="module")
 def tiny_copy(tmp_path_factory):
     """The tiny model's files in another folder: the same weights under another --model (or --critic-model)."""
-    return shutil.copytree(models.resolve_model_path(models.TINY_MODEL), tmp_path_factory.mktemp("copy") / "tiny")
+    return shutil.copytree(models.resolve_model_path(TINY_MODEL), tmp_path_factory.mktemp("copy") / "tiny")
 
 
 @pytest.mark.parametrize("field, value", GRPO_FIXED)

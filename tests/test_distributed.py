@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import common
 import grpo
 import ppo
+from machinery import checkpoints, dumps, generation, models, prompt_cache
 from machinery import distributed as dist
-from machinery import dumps, generation, models, prompt_cache
 from machinery.errors import UsageError
 from machinery.tiny_model import TINY_MODEL
 
@@ -66,21 +66,25 @@ def test_bad_launch_is_refused_in_one_line(monkeypatch, script, flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_launch_number_has_at_most_9_digits():
-    """Each of torchrun's numbers is checked for its length before int() reads it: 9 digits pass (they fit any
-    count), 10 are refused, whatever the variable, and whether the number is a size or a rank."""
-    launch = dict(MASTER_ADDR="127.0.0.1")
-    dist.check_environment(dict(launch, WORLD_SIZE="999999999", RANK="999999998", LOCAL_RANK="0"))
-    for name, value in [("WORLD_SIZE", "1000000000"), ("LOCAL_WORLD_SIZE", "1000000000"), ("RANK", "0000000001")]:
+def test_a_launch_number_is_bounded_by_the_most_processes_a_launch_holds():
+    """Each of torchrun's numbers is read as ASCII digits, then bounded: a launch of MAX_PROCESSES passes (its last
+    rank too), one more process is refused as too large, not as "not a whole number", and so is a 10-digit number
+    (whatever the variable, a size or a rank); a digit int() refuses ('²') is not a whole number."""
+    launch = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    most = dist.MAX_PROCESSES
+    dist.check_environment(dict(launch, WORLD_SIZE=str(most), RANK=str(most - 1), LOCAL_RANK="0"))
+    for name, value in [("WORLD_SIZE", str(most + 1)), ("LOCAL_WORLD_SIZE", "1000000000"), ("RANK", "0000000001")]:
         environ = {**launch, "WORLD_SIZE": "2", name: value}
-        with pytest.raises(UsageError, match=f"{name} is '{value}': torchrun sets it to a whole number"):
+        with pytest.raises(UsageError, match=f"{name} is {value}: more processes than a launch holds"):
             dist.check_environment(environ)
+    with pytest.raises(UsageError, match="WORLD_SIZE is '²': torchrun sets it to a whole number"):
+        dist.check_environment(dict(launch, WORLD_SIZE="²"))
 
 
 def test_a_launch_is_checked_in_both_directions():
     """A size of 1 passes and 0 does not; a rank one below its size passes and the size itself does not; a node as
     large as the launch passes and a larger one does not."""
-    launch = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE="4")
+    launch = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="4")
     dist.check_environment(dict(launch, RANK="3", LOCAL_WORLD_SIZE="4", LOCAL_RANK="3"))
     dist.check_environment(dict(WORLD_SIZE="1", RANK="0"))
     for environ, message in [
@@ -352,7 +356,7 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path, digits_tas
         err.seek(0)
         stderr = err.read()
     assert launcher.returncode != 0 and "stopped by a signal to another process after step" in stderr, stderr[-3000:]
-    step = torch.load(os.path.join(only_run(tmp_path / "runs"), "checkpoint", "state.pt"), weights_only=False)["step"]
+    step = checkpoints.read_state(os.path.join(only_run(tmp_path / "runs"), "checkpoint"))[0]["step"]
     assert 3 <= step < 12
     assert f"stopped by a signal to another process after step {step}; resume with: torchrun" in stderr
 

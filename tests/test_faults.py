@@ -86,8 +86,8 @@ def test_signal_saves_a_checkpoint_to_resume_from(script, sig, tmp_path, xdg_cac
     assert command[:2] == ["python", f"{script}.py"] and command[-2] == "--resume", command
     checkpoint = command[-1]
     assert stopped_at >= 2
-    assert os.path.isfile(os.path.join(checkpoint, "state.pt"))
-    assert torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["step"] == stopped_at
+    assert os.path.isfile(os.path.join(checkpoint, checkpoints.STATE))
+    assert checkpoints.read_state(checkpoint)[0]["step"] == stopped_at
 
     # The printed command resumes it (here to two more steps, not to 400: a later flag overrides an earlier one).
     result = subprocess.run(

@@ -121,16 +121,14 @@ def test_resume_continues_bit_exactly(script, tmp_path):
     (first,) = glob.glob(str(tmp_path / "b" / "runs" / "*" / "checkpoint"))
     SCRIPTS[script].main(lora_args(script, tmp_path / "b", num_steps=4, save_every=2, resume=first))  # in b's folder
     (straight,) = glob.glob(str(tmp_path / "a" / "runs" / "*" / "checkpoint"))
-    assert torch.load(os.path.join(first, "state.pt"), weights_only=False)["step"] == 4
+    assert checkpoints.read_state(first)[0]["step"] == 4
     resumed = first
     files = sorted(os.path.relpath(p, straight) for p in glob.glob(os.path.join(straight, "*", "*.safetensors")))
     assert "policy/adapter_model.safetensors" in files and "policy/model.safetensors" not in files
     for name in files:
         a, b = load_file(os.path.join(straight, name)), load_file(os.path.join(resumed, name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = (
-        torch.load(os.path.join(f, "state.pt"), weights_only=False)["optimizer"]["state"] for f in (straight, resumed)
-    )
+    a, b = (checkpoints.read_state(f)[0]["optimizer"]["state"] for f in (straight, resumed))
     assert a.keys() == b.keys() and len(a) > 0
     for index in a:
         assert all(torch.equal(a[index][k], b[index][k]) for k in a[index])

@@ -186,31 +186,30 @@ def test_resume_from_a_corrupt_state(grpo_checkpoint, tmp_path):
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(grpo_checkpoint, corrupt)
-    (corrupt / "state.pt").write_bytes(os.urandom(1000))
-    with pytest.raises(errors.UsageError, match="state.pt cannot be read.*corrupt"):
+    (corrupt / "state.safetensors").write_bytes(os.urandom(1000))
+    with pytest.raises(errors.UsageError, match="state.safetensors cannot be read.*corrupt"):
         grpo.main(quick_args("grpo", tmp_path, resume=str(corrupt)))
 
 
 def checkpoint_step(folder):
-    state = torch.load(os.path.join(folder, "state.pt"), weights_only=False)
-    return state["step"]
+    return checkpoints.read_state(folder)[0]["step"]
 
 
-@pytest.mark.parametrize("fail_in", ["save_pretrained", "torch.save"])
+@pytest.mark.parametrize("fail_in", ["save_pretrained", "write_state"])
 def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_in):
     """A crash half-way through writing checkpoint 2 leaves checkpoint 1 complete and loadable."""
     args = quick_args("grpo", tmp_path, num_steps=3, save_every=1)
     saves = []
-    if fail_in == "torch.save":
-        real_save = torch.save
+    if fail_in == "write_state":
+        real_save = checkpoints.write_state
 
-        def save(obj, path, *a, **k):
+        def save(path, state):
             saves.append(path)
             if len(saves) == 2:
                 raise OSError("disk full")
-            return real_save(obj, path, *a, **k)
+            return real_save(path, state)
 
-        monkeypatch.setattr(torch, "save", save)
+        monkeypatch.setattr(checkpoints, "write_state", save)
     else:
         from transformers import PreTrainedModel
 

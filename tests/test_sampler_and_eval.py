@@ -2,7 +2,6 @@
 copy task's held-out split scored by a constant answer. Expected values are computed here, independently."""
 
 import os
-import pickle
 import random
 
 import pytest
@@ -13,7 +12,7 @@ import common
 import grpo
 import ppo
 import tasks
-from machinery import batches
+from machinery import batches, state_file
 
 EOS = 1
 
@@ -56,14 +55,14 @@ def test_sampler_order_depends_on_its_seed_only():
 
 def test_sampler_state_round_trip_continues_the_same_sequence():
     """Guards against a state that is not restored (order or RNG), or one that aliases the live order and so
-    moves on after it was saved. Saved mid-pass, through pickle as torch.save writes it, and loaded into a
+    moves on after it was saved. Saved mid-pass, in the checkpoint's format (state_file.py), and loaded into a
     sampler of another seed, it continues exactly; the continuation crosses into the next pass (the RNG)."""
     sampler = batches.PromptSampler(EXAMPLES, seed=7)
     draws(sampler, [4, 3])  # 7 draws: mid-pass
     state = sampler.state_dict()
-    saved = pickle.dumps(state)
+    saved = state_file.state_bytes(state)
     expected = draws(sampler, [6, 10, 5])  # finishes this pass, then two more shuffles
-    for loaded in (pickle.loads(saved), state):  # `state` itself must not have moved on with the sampler
+    for loaded in (state_file.parse_state(saved), state):  # `state` itself must not have moved on with the sampler
         resumed = batches.PromptSampler(EXAMPLES, seed=99)
         resumed.load_state_dict(loaded)
         assert draws(resumed, [6, 10, 5]) == expected
