@@ -2,8 +2,11 @@
 pairs from its own samples, a reward model, then PPO at several KL coefficients and GRPO against that reward model,
 with the gold reward that labelled the pairs watched on held-out prompts (Gao et al. 2022, fig. 1).
 
-    OMP_NUM_THREADS=2 python benchmarks/rlhf_real.py                # every stage; a stopped run resumes where it was
-    python benchmarks/rlhf_real.py --tabulate                       # only the table and figure of the runs made
+    OMP_NUM_THREADS=1 python benchmarks/rlhf_real.py --threads 1    # every stage; a stopped run resumes where it was
+    python benchmarks/rlhf_real.py --tabulate                       # the table and figure of what the runs logged
+
+--threads: each stage's threads (default OMP_NUM_THREADS, else 2); the three RL runs go at once (--jobs). On a
+machine other processes keep busy, 1: torch's threads spin waiting for each other (machinery/threads.py).
 
 Stages, each skipped when its output is there (in --runs-dir, default runs/rlhf_real):
   1. prompts: "Write one short sentence about a quiet river." and the like (3 forms x 13 modifiers x 20 nouns);
@@ -14,11 +17,12 @@ Stages, each skipped when its output is there (in --runs-dir, default runs/rlhf_
      with P(a over b) = sigmoid(LABEL_BETA (gold(a) - gold(b))), gold = benchmarks/rlhf_gold.py; the labels' Bayes
      accuracy (the mean of max(P, 1 - P), what knowing the gold gives) printed, on all pairs and on the held-out ones.
   3. reward_model.py --task jsonl:pairs.jsonl (RM_FLAGS): held-out accuracy against that Bayes limit.
-  4. ppo.py --reward-model at each KL coefficient and grpo.py --reward-model (RL_FLAGS), task
+  4. ppo.py --reward-model at each KL coefficient and grpo.py --reward-model (COMMON_RL and RUNS), task
      python:benchmarks/rlhf_gold.py:gold@prompts.jsonl: the gold is never the reward, it is logged every
      EVAL_EVERY steps on the held-out prompts' completions as eval/gold_reward beside eval/reward_model_score and
-     eval/kl_ref (common's held-out RLHF evaluation, machinery/gold.py).
-  5. the table (the eval/ curves; peak memory and seconds a step of each algorithm) and the figure.
+     eval/kl_ref (machinery/gold.py).
+  5. the table (the eval/ curves from the initial policy's, KL 0, on; peak memory and seconds a step of each
+     algorithm) and the figure, docs/rlhf_real.png.
 """
 
 import argparse
@@ -58,7 +62,7 @@ RM_FLAGS = ["--num-steps", "12", "--batch-size", "16", "--micro-batch-size", "16
 RM_FLAGS += ["--eval-every", "12", "--no-chat-template"]
 # The RL runs: short, on few prompts a step, at a learning rate that moves a 135M model within a few steps; PPO one
 # pass over each batch (epochs and minibatches multiply its training time), the critic at 3x the policy's rate.
-STEPS, EVAL_EVERY = 6, 2
+STEPS, EVAL_EVERY = 10, 2
 COMMON_RL = ["--max-new-tokens", str(MAX_NEW_TOKENS), "--temperature", str(TEMPERATURE), "--learning-rate", "3e-5"]
 COMMON_RL += ["--num-steps", str(STEPS), "--eval-every", str(EVAL_EVERY), "--sample-every", "0"]
 PPO_KL_COEFS = (0.01, 0.2)
