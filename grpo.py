@@ -36,7 +36,7 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import batches, bookkeeping, checkpoints, dumps, flags, lora, models, startup
+from machinery import batches, bookkeeping, checkpoints, dumps, flags, gold, lora, models, startup
 from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
 from machinery.flag_checks import check_grpo_args
 from machinery.tiny_model import TINY_MODEL
@@ -354,8 +354,8 @@ def main(args, flags_given=()):
             "losses/explained_variance": common.explained_variance(baseline, all_scores, torch.ones_like(all_scores)),
             "losses/grad_norm": dist.local(grad_norms["policy"]),
         }
-        if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
+        if args.eval_every and step % args.eval_every == 0:  # held out: greedy, or with --reward-model the gold
+            scalars.update(gold.evaluate(policy, ref_model, scorer, tokenizer, task, args, eos_ids, device, dtype))
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used

@@ -33,7 +33,7 @@ from typing import Literal, Optional
 import torch
 
 import common
-from machinery import batches, bookkeeping, checkpoints, dumps, flags, lora, models, precision, scoring, startup
+from machinery import batches, bookkeeping, checkpoints, dumps, flags, gold, lora, models, precision, scoring, startup
 from machinery import distributed as dist  # torchrun support (machinery/distributed.py): identities on one process
 from machinery.critic import load_critic  # PPO's value model: the policy's transformer, a scalar head
 from machinery.flag_checks import check_ppo_args
@@ -415,8 +415,8 @@ def main(args, flags_given=()):
         }
         if ref_model is not None:
             scalars["losses/kl_ref"] = dist.masked_mean(kl, b_mask)
-        if args.eval_every and step % args.eval_every == 0:  # greedy, on the held-out split
-            scalars.update(common.evaluate_policy(policy, tokenizer, task, args, eos_ids, device, dtype))
+        if args.eval_every and step % args.eval_every == 0:  # held out: greedy, or with --reward-model the gold
+            scalars.update(gold.evaluate(policy, ref_model, scorer, tokenizer, task, args, eos_ids, device, dtype))
         losses = common.logged_losses(updates)
         bookkeeping.log_step(writer, step, scalars, losses, timer, history["tokens"], device)
         scheduler.step()  # after logging the rate this step's updates used

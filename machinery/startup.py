@@ -31,8 +31,7 @@ def start(script, args, hub_defaults, flags_given, check_args, load_task):
     check_args(args)
     check_model_names(args)
     task = load_task(args.task)
-    if getattr(args, "reward_model", None):
-        check_reward_model_task(args.reward_model, task)
+    check_task_reward(args, task)
     device = dist.init(precision.pick_device())  # under torchrun: join the other processes, one device each
     threads.resolve_threads(args.threads)  # printed, with the reason
     dtype = precision.resolve_dtype(args.dtype, device, args.model)  # printed, with the reason
@@ -109,15 +108,20 @@ def check_embeddings(reward_model, config):
         )
 
 
-def check_reward_model_task(reward_model, task):
-    """--reward-model replaces the task's reward: refused with a task whose reward is the point of it, a function of
-    yours (python:FILE:FUNCTION) or a dense reward (copy:DIGITS:dense), which would then never be called."""
-    if task.answers == "yours" or task.name.endswith(":dense"):
-        what = "your reward function" if task.answers == "yours" else "a dense reward, paid token by token"
+def check_task_reward(args, task):
+    """A task of prompts alone (Task.answers "none") needs --reward-model; with one, the task's own reward is the
+    gold reward, never trained on, which machinery/gold.py logs on the held-out prompts: said at start."""
+    reward_model = getattr(args, "reward_model", None)
+    if getattr(task, "answers", None) == "none" and not reward_model:
         raise UsageError(
-            f"--reward-model {reward_model!r} replaces the task's reward, and task {task.name!r} is scored by "
-            f"{what}, which would never be called: drop --reward-model, or pass a task of prompts alone "
-            "(jsonl:PATH)"
+            f'task {task.name!r} holds prompts alone (no "answer"), which no reward scores: pass --reward-model '
+            'RUN/final (a reward model from reward_model.py), or give each line an "answer"'
+        )
+    if reward_model and task.answers != "none" and dist.is_main():
+        when = f"every {args.eval_every} steps" if args.eval_every else "never (pass --eval-every N to watch it)"
+        print(
+            f"--reward-model: the policy is trained on the reward model's score; task {task.name!r}'s own reward is "
+            f"the gold, never trained on, logged as eval/gold_reward on the held-out prompts {when}"
         )
 
 

@@ -11,7 +11,8 @@ reward function `reward(prompt, completion, answer)`: a float in [0, 1], or a de
     countdown             reach a target from 3-4 numbers with + - * /, equation inside <answer></answer>
     gsm8k                 grade-school math word problems (openai/gsm8k, needs `pip install datasets`)
     gsm8k:format          the same, plus 0.1 for putting the final answer after "####"
-    jsonl:PATH            your prompts and answers, one {"prompt": ..., "answer": ...} a line
+    jsonl:PATH            your prompts and answers, one {"prompt": ..., "answer": ...} a line; or your prompts
+                          alone, {"prompt": ...} (with --reward-model: tasks/prompts.py)
     python:FILE.py:FUNC   your reward function FUNC(prompt, completion, answer) from FILE.py, with the
                           examples of its EXAMPLES list, or of a JSONL file: python:FILE.py:FUNC@DATA.jsonl
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from machinery.errors import UsageError, one_line, shorten
+from tasks.prompts import read_examples, read_prompts_or_examples
 from tasks.rewards import (
     arithmetic_reward,
     copy_dense_reward,
@@ -40,7 +42,7 @@ from tasks.rewards import (
     match_reward,
     parse_number,
 )
-from tasks.user import as_user_code, python_reward_and_examples, read_jsonl
+from tasks.user import as_user_code, python_reward_and_examples
 
 
 @dataclass
@@ -51,7 +53,8 @@ class Task:
     reward_fn: Callable[[str, str, str], float]
     # How the reward uses the answer, for the checks of models.check_task: "written" (the completion must write
     # it, so the tokenizer must spell it within --max-new-tokens: refused if not), "data" (read by the reward,
-    # never written: countdown's numbers), "yours" (your reward function: a note if the model could not write it).
+    # never written: countdown's numbers), "yours" (your reward function: a note if the model could not write it),
+    # "none" (prompts alone, jsonl:PATH without answers: scored by --reward-model only, machinery/gold.py).
     answers: str = "written"
 
     @property
@@ -330,9 +333,11 @@ def gsm8k_task(format_bonus=False, load_split=load_gsm8k_split):
 
 
 def jsonl_task(path):
-    """Your examples, one {"prompt": ..., "answer": ...} a line, scored by match_reward; 10% held out."""
+    """Your examples, one {"prompt": ..., "answer": ...} a line, scored by match_reward; or your prompts alone
+    (tasks/prompts.py), scored by --reward-model only; 10% held out."""
     name = f"jsonl:{path}"
-    return Task(name, *split_examples(name, read_jsonl(path)), match_reward)
+    examples, prompts_only = read_examples(path)
+    return Task(name, *split_examples(name, examples), match_reward, answers="none" if prompts_only else "written")
 
 
 def python_task(spec):
@@ -342,7 +347,7 @@ def python_task(spec):
     A reward function that raises or returns anything but a finite number stops the run with a message
     naming the prompt and completion (Task.score).
     """
-    reward_fn, examples = python_reward_and_examples(spec)
+    reward_fn, examples = python_reward_and_examples(spec, read_prompts_or_examples)
     name = f"python:{spec}"
     return Task(name, *split_examples(name, examples), reward_fn, answers="yours")
 

@@ -240,10 +240,10 @@ def import_file(path):
     return module
 
 
-def python_reward_and_examples(spec):
+def python_reward_and_examples(spec, read=read_jsonl):
     """(reward_fn, examples) of `FILE.py:FUNCTION` or `FILE.py:FUNCTION@DATA.jsonl`: the reward
     FUNCTION(prompt, completion, answer) of your file, and the examples of its module-level EXAMPLES list,
-    or of DATA.jsonl when given.
+    or of DATA.jsonl when given, read by `read` (tasks.prompts: prompts alone too).
 
     A reward function that raises or returns anything but a finite number stops the run with a message
     naming the prompt and completion (Task.score).
@@ -276,7 +276,7 @@ def python_reward_and_examples(spec):
     except ValueError:  # some builtins have no signature to check; Task.score will catch a bad call
         pass
     if data:
-        examples = read_jsonl(data)
+        examples = read(data)
     elif isinstance(getattr(module, "EXAMPLES", None), (list, tuple)):
         examples = [check_example(row, f"{path}, EXAMPLES[{i}]") for i, row in enumerate(module.EXAMPLES)]
     else:

@@ -240,8 +240,6 @@ REWARD_MODELS = [
     ("{short}", [], "has 8 positions, fewer than the longest prompt of task 'copy'"),
     ("{few_ids}", [], "its tokenizer writes ids up to 24, but its model embeds only 10"),
     ("{letters_rm}", [], "does not know 11 of the characters of task 'copy'"),
-    ("{one}", ["--task", "python:{reward_file}:fn"], "is scored by your reward function, which would never be called"),
-    ("{one}", ["--task", "copy:3:dense"], "is scored by a dense reward, paid token by token"),
 ]
 
 

@@ -1,15 +1,16 @@
-"""AReaL 1.0.4 loaded for verifier/adapters/areal.py: its actor (trainer/ppo/actor.py), critic (trainer/ppo/critic.py),
-data and functional modules and its FSDP engine (engine/fsdp_engine.py), each file run as it is, and the stand-in
+"""AReaL 1.0.4 loaded for verifier/adapters/areal.py: its actor (areal.trainer.ppo.actor), critic
+(areal.trainer.ppo.critic), data and functional modules and its FSDP engine (areal.engine.fsdp_engine), each file run
+as it is, and the stand-in
 `self` of the engine's methods for one process (no FSDP wrapping, no process groups, no packing).
 
 AReaL's package __init__ files import its inference and training engines; the modules are loaded one by one instead.
 Stand-ins, while they load, for what they import and these calls never use: areal.api and areal.api.cli_args (engine
-and config classes, annotations), areal.infra and the experimental controller (the controller classes actor.py
-defines beside PPOActor), areal.utils.logging (colorlog), stats_tracker and perf_tracer (logging of statistics:
-no-ops), seqpack (numba), einops and torchdata (imported by utils/data.py for its other functions); the engine's and
+and config classes, annotations), areal.infra and the experimental controller (the controller classes the actor's
+module defines beside PPOActor), areal.utils.logging (colorlog), stats_tracker and perf_tracer (logging of statistics:
+no-ops), seqpack (numba), einops and torchdata (imported by areal.utils.data for its other functions); the engine's and
 the critic's other imports are stand-in classes these calls never call. areal.infra.platforms says
-is_npu_available, so vocab_parallel.py gathers eagerly rather than under torch.compile (its NPU path: the same
-function, uncompiled). Nothing of AReaL is copied here.
+is_npu_available, so areal's vocab_parallel module gathers eagerly rather than under torch.compile (its NPU path: the
+same function, uncompiled). Nothing of AReaL is copied here.
 """
 
 import contextlib

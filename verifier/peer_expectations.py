@@ -1,10 +1,12 @@
 """What SkyRL and AReaL must give by design where they differ from this project (their known differences, declared
-by verifier/adapters/skyrl.py and areal.py): each a small pure function of the dump, written from the formula the
-peer documents, never by calling the peer. verify.py compares the peer with it at the row's normal tolerance, so a
-bug on top of a known difference fails. Where a formula needs what this project computes the same way (GAE's
-returns, the policy's clipped surrogate), it asks this project's adapter (verifier/adapters/self.py)."""
+by verifier/adapters/skyrl.py and verifier/adapters/areal.py): each a small pure function of the dump, written from
+the formula the peer documents, never by calling the peer. verify.py compares the peer with it at the row's normal
+tolerance, so a bug on top of a known difference fails. Where a formula needs what this project computes the same
+way (GAE's returns, the policy's clipped surrogate), it asks this project's adapter (verifier/adapters/self.py)."""
 
 import functools
+import importlib.util
+import os
 import types
 
 import torch
@@ -12,9 +14,12 @@ import torch
 
 @functools.cache
 def ours():
-    from verifier.calls import load_adapter  # verify's loader: the adapters' module, loaded once
-
-    return load_adapter("self")
+    """This project's adapter (verifier/adapters/self.py), loaded once."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adapters", "self.py")
+    spec = importlib.util.spec_from_file_location("peer_expectations_self", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _flags(args, **changes):

@@ -1,5 +1,5 @@
-"""SkyRL 0.4.0 loaded for verifier/adapters/skyrl.py: its ppo_utils and torch_utils, its workers (workers/worker.py),
-its model wrapper (workers/model_wrapper.py) and its trainer (train/trainer.py), each file run as it is, and the
+"""SkyRL 0.4.0 loaded for verifier/adapters/skyrl.py: its ppo_utils and torch_utils, its workers (workers.worker),
+its model wrapper (workers.model_wrapper) and its trainer (train.trainer), each file run as it is, and the
 stand-ins that let their methods run on one process: a `self` of the fields a method reads, a strategy whose
 backward hands over the loss, the device (the CPU) and the metrics of rollout log-probs SkyRL's worker logs.
 
