@@ -96,6 +96,23 @@ def refuse_none_text(args_class, argv):
             raise UsageError(f"{name} None: None would read as no {name} at all; leave the flag out, or {what}")
 
 
+def box_message(text):
+    """The message of the command line parser's error box: its first section, between the rule under the title and
+    the next rule. The box is drawn in lines (a title in its top border) or, where the output is not UTF-8, in
+    ASCII (the title on a line of its own, a row of dashes under it): both read as title, rule, message, rule, ..."""
+    lines = []
+    for line in text.splitlines():
+        line = line.strip().strip("│").strip()
+        if line.startswith("╭"):  # the top border holds the title
+            lines += [line.strip("╭╮─ "), "─"]
+        elif line and not line.startswith("╰"):
+            lines.append(line)
+    is_rule = lambda line: set(line) <= set("─-")  # noqa: E731
+    after_title = itertools.dropwhile(lambda line: not is_rule(line), lines)
+    next(after_title, None)
+    return " ".join(itertools.takewhile(lambda line: not is_rule(line), after_title))
+
+
 def one_line_parse_errors(parse):
     """`parse()`, with the command line parser's boxed error (an unknown flag, a value of the wrong type, a choice
     not offered) printed as one line, `error: ...`, and exit status 2; --help and anything else as it was."""
@@ -104,8 +121,7 @@ def one_line_parse_errors(parse):
         with contextlib.redirect_stderr(captured):
             return parse()
     except SystemExit as e:
-        lines = [line.strip("│ ").strip() for line in captured.getvalue().splitlines() if line.startswith("│")]
-        message = " ".join(itertools.takewhile(lambda line: not line.startswith("─"), lines))
+        message = box_message(captured.getvalue())
         if e.code in (0, None) or not message:  # --help, or no box to shorten
             raise
         captured = io.StringIO()

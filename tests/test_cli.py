@@ -47,17 +47,17 @@ def test_hub_defaults_replace_only_the_fields_left_at_their_default(module, monk
     assert flags.apply_hub_defaults(tiny, module.HUB_DEFAULTS) == "tiny" and tiny.num_steps == module.Args.num_steps
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--no-such-flag", "3"], "Unrecognized options: --no-such-flag, 3"),
-        (["--num-steps", "1e3"], "Error parsing --num-steps: invalid literal for int() with base 10: '1e3'"),
-        (
-            ["--dtype", "float16"],
-            "invalid choice 'float16' for argument '--dtype'. Expected one of ('auto', 'bfloat16', 'float32').",
-        ),
-    ],
-)
+PARSE_ERRORS = [
+    (["--no-such-flag", "3"], "Unrecognized options: --no-such-flag, 3"),
+    (["--num-steps", "1e3"], "Error parsing --num-steps: invalid literal for int() with base 10: '1e3'"),
+    (
+        ["--dtype", "float16"],
+        "invalid choice 'float16' for argument '--dtype'. Expected one of ('auto', 'bfloat16', 'float32').",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, expected", PARSE_ERRORS)
 def test_a_parse_error_is_one_line_with_exit_status_2(argv, expected, monkeypatch, capfd):
     """The parser's usage errors exit 2 (argparse's status for a command line it cannot read), not 1, the status of
     a UsageError found after parsing: a wrapper script tells the two apart."""
@@ -69,17 +69,13 @@ def test_a_parse_error_is_one_line_with_exit_status_2(argv, expected, monkeypatc
     assert lines == [f"error: {expected} (--help lists every flag)"]  # the box's message alone, not its footer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flags.one_line_parse_errors finds tyro's message by its UTF-8 box lines ('│'); tyro draws ASCII boxes "
-    "when sys.stdout.encoding is not 'utf-8' (PYTHONIOENCODING=ascii, a captured stdout), and the 5-line box is "
-    "printed instead of one line (issue 53, for the integrator)",
-)
-def test_a_parse_error_is_one_line_whatever_stdouts_encoding(monkeypatch, capfd):
+@pytest.mark.parametrize("argv, expected", PARSE_ERRORS)
+def test_a_parse_error_is_one_line_whatever_stdouts_encoding(argv, expected, monkeypatch, capfd):
+    """Where stdout is not UTF-8 the parser draws its box in ASCII (a title line, rows of dashes): the same line."""
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--no-such-flag", "3"])
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
     with pytest.raises(SystemExit) as exited:
         flags.parse_args(grpo.Args, grpo.HUB_DEFAULTS)
     assert exited.value.code == 2
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
-    assert lines == ["error: Unrecognized options: --no-such-flag, 3 (--help lists every flag)"]
+    assert lines == [f"error: {expected} (--help lists every flag)"]

@@ -1432,8 +1432,8 @@ MUTANTS = [
         file="machinery/flags.py",
         tests=["tests/test_cli.py", "-k", "parse_error"],
         what="the one-line parse error keeps the box's rule and footer ('For full helptext, run ...')",
-        find='message = " ".join(itertools.takewhile(lambda line: not line.startswith("─"), lines))',
-        replace='message = " ".join(lines)',
+        find='return " ".join(itertools.takewhile(lambda line: not is_rule(line), after_title))',
+        replace='return " ".join(line for line in after_title if not is_rule(line))',
     ),
     dict(
         name="example-fields-bool-among-numbers",
@@ -1726,5 +1726,14 @@ MUTANTS = [
         what="a file mixing prompts alone and prompts with answers is read, the first scored against an empty answer",
         find="if alone and len(alone) < len(rows):",
         replace="if False:",
+    ),
+    # ---------------------------------------------------------------------------------------- at the merge
+    dict(
+        name="parse-error-box-read-in-utf8-only",
+        file="machinery/flags.py",
+        tests=["tests/test_cli.py", "-k", "parse_error"],
+        what="the parser's box is read only as drawn in UTF-8: where stdout is not UTF-8 its ASCII box prints whole",
+        find='is_rule = lambda line: set(line) <= set("─-")  # noqa: E731',
+        replace='is_rule = lambda line: set(line) <= set("─")  # noqa: E731',
     ),
 ]
