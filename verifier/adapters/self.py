@@ -101,11 +101,12 @@ def train_loss(model, batch, args, critic=None):
     return algorithm.compute_loss(outputs(model, batch, args, critic), batch, flags)[0]
 
 
-def update(model, batch, args, state, critic=None):
+def update(model, batch, args, state, critic=None, loss=None):
     """One training step of the script's optimizer, as its loop takes it: GRPO num_iterations optimizer steps on the
     whole batch, PPO one a minibatch (batch["minibatches"]: their rows, in the run's order); each accumulated over
     micro-batches with the whole batch's (PPO: minibatch's) denominators, each model's gradient norm clipped, then
-    the schedule's step. `state` keeps the optimizer from one call to the next."""
+    the schedule's step. `state` keeps the optimizer from one call to the next. `loss`: a train_loss to step with
+    in place of this project's (verify's known differences: the update a peer makes by design)."""
     if "optimizer" not in state:
         state["optimizer"], state["scheduler"] = optimizer(model, args, critic)
     opt, trained = state["optimizer"], [m for m in (model, critic) if m is not None]
@@ -120,7 +121,7 @@ def update(model, batch, args, state, critic=None):
             batch = dict(batch, num_seqs=len(minibatch), num_tokens=int(batch["completion_mask"][minibatch].sum()))
         for i in range(0, len(minibatch), args["micro_batch_size"]):
             micro = common.select_rows(batch, minibatch[i : i + args["micro_batch_size"]])
-            train_loss(model, micro, args, critic).backward()
+            (loss or train_loss)(model, micro, args, critic).backward()
         for m in trained:
             torch.nn.utils.clip_grad_norm_(m.parameters(), args["max_grad_norm"])
         opt.step()
