@@ -3,10 +3,10 @@
     python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-3 \\
         --warmup-steps 2 --clip-low 0.05 --clip-high 0.08 --beta 0.1 --max-new-tokens 4 --temperature 0.8 \\
         --weight-decay 1 --micro-batch-size 32 --dump-dir dumps/grpo              # the recommended GRPO dump
-    python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 4 --prompts-per-step 16 --learning-rate 1e-2 \\
-        --critic-learning-rate 3e-3 --warmup-steps 2 --clip-low 0.05 --clip-high 0.08 --cliprange-value 0.01 \\
-        --target-kl 0.6 --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 --lam 0.9 \\
-        --micro-batch-size 4 --ent-coef 0.01 --weight-decay 0.01 --dump-dir dumps/ppo   # the recommended PPO dump
+    python ppo.py --model tiny-gpt2 --task copy:1-3 --seed 5 --num-steps 4 --prompts-per-step 16 \\
+        --learning-rate 1e-2 --critic-learning-rate 3e-3 --warmup-steps 2 --clip-low 0.05 --clip-high 0.08 \\
+        --cliprange-value 0.01 --target-kl 0.75 --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 \\
+        --lam 0.9 --micro-batch-size 4 --ent-coef 0.01 --weight-decay 0.01 --dump-dir dumps/ppo   # recommended PPO
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
     python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements/extra.txt)
     python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements/openrlhf.txt)
@@ -20,7 +20,8 @@ EOS, ratios away from 1 (GRPO: --num-iterations 2; PPO dumps its last update's f
 on both sides, values moved and clipped, a KL that is not 0 (steps 2 and 3), a moving KL coefficient, a
 temperature and a gamma other than 1, micro-batches smaller than their batch (GRPO) or minibatch (PPO), an entropy
 bonus (PPO), several optimizer steps a step, weight decay and a clipped gradient norm. A row whose branch no step
-exercised says so ("never exercised: ..."), and so does the PASS line, with every row it did not compare.
+exercised says so ("never exercised: ..."), and so does the PASS line, with every row it did not compare and every
+pair of settings the dump keeps equal ("--clip-low equals --clip-high: swapped clip bounds would not show").
 
 Each quantity of each step is recomputed by the other implementation and compared on the real (unmasked)
 positions; the table has one row per quantity (the largest difference over the steps), its tolerance, and the
@@ -37,11 +38,13 @@ result. A NaN or inf fails its row. Every row appears: pass, FAIL, "differs (kno
   per-token loss  from the stored log-probs, advantages (PPO: and values) of the dumped (micro-)batch
   loss            the aggregated loss
   gradient        of the loss, from the replayed weights: train_loss called micro-batch by micro-batch and the
-                  gradients summed, as the loop accumulates them (GRPO: the whole batch; PPO: the dumped minibatch)
+                  gradients summed, as the loop accumulates them (GRPO: the whole batch; PPO: the dumped minibatch);
+                  the policy's, and PPO's critic's in a row of its own (critic gradient), each against its own size
   update          the adapter's own optimizer stepped from the initial weights through every step, its state carried
                   over (AdamW, weight decay, the gradient's norm clipped; PPO: every minibatch, the critic too),
                   scored by the next step's stored log-probs (PPO: and values), relative to how far this
-                  project's update moved them (a warmup schedule is checked where the dump has --warmup-steps)
+                  project's update moved them (a warmup schedule is checked where the dump has --warmup-steps);
+                  the critic's values in a row of its own (critic update)
 
 Exit status: 0 PASS: the advantages row and a loss row (per-token loss, loss or gradient) were compared, and every
 row compared passed or differs by a known difference accepted within its bound; 1 FAIL: a row failed; 2 bad input
@@ -71,11 +74,15 @@ entropy); token_logprobs gets the ids and masks alone. See verifier/adapters/sel
   order); `state`, a dict, is kept from step to step
   OPTIONS = {name: default}, changed by --set name=value; setup(args, options, model), called once with a
   copy of the initial policy; differences(args, options) -> lines printed under the table;
-  known_differences(args, options) -> {quantity: dict(why=..., where="the peer's file, function",
-  bound=("rel", 5e-2))}: `--accept QUANTITY` shows that row as "differs (known: ...)" while its largest difference
-  stays within the bound (measured as the tolerances are; rel at most 1, an abs bound capped at the row's own
-  size), every value is finite and no sign is flipped (the gradient: its direction within 60 degrees of ours),
-  and fails it otherwise; an accepted row is never a pass, and the PASS line counts it apart.
+  known_differences(args, options) -> {quantity: dict(why=..., where="the peer's file, function", expect=FN)}:
+  FN computes from the dump what the peer gives by design (verifier/expect.py helps: ours(), with_args()), with the
+  inputs of the row's function (gradient, update and their critic rows: a train_loss); `--accept QUANTITY` shows
+  the row as "differs (known: ...)" where each step matches ours or FN's value WITHIN THE ROW'S OWN TOLERANCE, and
+  fails it otherwise, so a bug on top of a known difference fails. Only where no exact form exists: bound=("rel",
+  5e-2) with derivation="why it cannot be exceeded" (rel at most 1, an abs bound capped at the row's own size, every
+  value finite, no sign flipped, the gradient's direction within 60 degrees). An accepted row is never a pass, and
+  the PASS line counts it apart. WRITTEN_OUT = [lines]: pieces of the peer the adapter writes out itself, named on
+  every PASS line ("written out by the adapter, not compared: ..."). --tol loosens a row up to 10x its default.
 docs/verify.md lists each function's inputs and outputs, and what verify protects against and what it does not.
 """
 

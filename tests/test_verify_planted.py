@@ -203,6 +203,13 @@ OPENRLHF = {
         "ppo",
         ["kl_coef"],
     ),
+    "OpenRLHF's step normaliser without its / gas (issue 49)": (
+        "utils/loss_utils.py",
+        '"batch_num_tokens": num_tokens / gas, "global_batch_size": num_samples / gas}',
+        '"batch_num_tokens": num_tokens, "global_batch_size": num_samples}',
+        "ppo",
+        ["per-token loss", "loss", "gradient", "critic gradient"],
+    ),
     "OpenRLHF's actor shifted by one token (round one)": (
         "models/actor.py",
         "log_probs = log_probs[:, :-1]",

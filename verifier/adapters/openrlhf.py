@@ -116,6 +116,18 @@ def _mean_kl_controller(batch, args):
     return torch.tensor(coef)
 
 
+def written_out(args, options):
+    """OpenRLHF's pieces this adapter writes out itself (every PASS line names them): a bug there would not show."""
+    out = []
+    if args["script"] == "ppo":
+        out.append(
+            "CriticModel.forward (models/model.py): this project's critic's values, sliced as OpenRLHF slices them"
+        )
+        if args["target_kl"] is not None:
+            out.append("the trainer's feed into AdaptiveKLController (ppo_trainer.py): the adapter computes the KL")
+    return out
+
+
 def differences(args, options):
     out = list(dict.fromkeys(spec["why"] for spec in known_differences(args, options).values()))
     if args["script"] == "ppo" and args["target_kl"] is not None and options["controller_kl"] == "summed":
@@ -260,8 +272,10 @@ class _Strategy:
 
     ring_attn_group = None
 
+    gas = 1  # the step's micro-batches: DeepSpeed's engine scales each backward by 1 / gas
+
     def backward(self, loss, model, optimizer):
-        self.loss = loss
+        self.loss = loss / self.gas
 
     def optimizer_step(self, *args, **kwargs):
         pass
@@ -341,9 +355,14 @@ def _training_steps(args, batch, mask, actor, critic=None, token_level=None):
             with torch.no_grad():
                 new_logp = actor(step.sequences, mask.detach(), attention_mask=step.attention_mask)
         step.action_log_probs = new_logp.detach()
-    info = loss_utils.get_loss_batch_info(
-        strategy, mask, batch_num_tokens=batch["num_tokens"], global_batch_size=batch["num_seqs"]
-    )
+    # OpenRLHF's own step normaliser, over the step's masks: this micro-batch's share of them stands for all (its
+    # tokens and sequences the whole step's, laid row by row), the rest of the gas windows empty.
+    strategy.gas = gas = max(round(batch["num_seqs"] / len(mask)), 1)
+    step_mask = torch.zeros(int(batch["num_seqs"]), -(-int(batch["num_tokens"]) // int(batch["num_seqs"])))
+    token = torch.arange(int(batch["num_tokens"]))
+    step_mask[token % len(step_mask), token // len(step_mask)] = 1
+    masks = [step_mask] + [torch.zeros(0, 1)] * (gas - 1)
+    info = loss_utils._optimizer_step_loss_norm(masks, None, 1, gas)
     kl_ctl = args.get("beta", 0.0) if grpo else 0.0  # PPO's KL is in the reward (compute_reward), not the loss
     ppo_actor.ActorPPOTrainer.training_step(trainer, step, kl_ctl, 0, dict(info))
     total = strategy.loss

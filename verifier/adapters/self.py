@@ -14,7 +14,7 @@ import torch
 import common
 import grpo
 import ppo
-from machinery import lora, models
+from machinery import lora, model_checks, models, precision
 
 ALGORITHMS = {"grpo": grpo, "ppo": ppo}
 
@@ -136,9 +136,30 @@ def initial_models(args):
     the run's initial adapters (lora.wrap draws them from --seed), whose B = 0 leaves the reference the base."""
     device = torch.device("cpu")
     policy = lora.wrap(models.load_causal_lm(args["model"], device), args)
-    if args["script"] == "grpo":
-        return policy, None
-    return policy, ppo.load_critic(args["critic_model"] or args["model"], device, args) if args["vf_coef"] > 0 else None
+    critic = None
+    if args["script"] == "ppo" and args["vf_coef"] > 0:
+        critic = ppo.load_critic(args["critic_model"] or args["model"], device, args)
+    recomputing(policy, critic, args)
+    return policy, critic
+
+
+def recomputing(policy, critic, args):
+    """Activations recomputed in the backward pass where the run recomputed them (--gradient-checkpointing, its
+    auto rule on one process): the forward then shares no prompt cache (prompt_cache.shareable_cache), so its
+    log-probs and gradients round as the run's did; a replay that shares it drifts by ~3e-5 in two steps."""
+    from transformers import AutoConfig
+
+    flags = types.SimpleNamespace(**args)
+    critic_config = None
+    if critic is not None:
+        critic_config = models.from_pretrained(
+            AutoConfig, models.resolve_model_path(args["critic_model"] or args["model"])
+        )
+    on, _ = model_checks.choose_checkpointing(flags, policy.config, 1, critic_config)
+    if on:
+        precision.set_activation_checkpointing(policy, True)
+        if critic is not None:  # as ppo.py does: the critic's backbone as the policy
+            precision.set_activation_checkpointing(critic.backbone, True)
 
 
 def optimizer(model, args, critic=None):

@@ -34,6 +34,14 @@ LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-tok
 state = {}
 
 
+def written_out(args, options):
+    """TRL's pieces this adapter writes out itself (every PASS line names them): a bug there would not show."""
+    return [
+        "the HF Trainer's training_step (its scaling of each micro-batch's loss for gradient accumulation, "
+        "loss_is_scaled_for_ga): the adapter calls GRPOTrainer.compute_loss and sets the accumulation count itself"
+    ]
+
+
 def differences(args, options):
     """The known differences between TRL and grpo.py that this dump's flags switch on."""
     out = []

@@ -62,6 +62,16 @@ def _unbiased_advantages(batch, args):
     return unbiased_whiten(advantages, mask, 1e-8)
 
 
+def written_out(args, chosen):
+    """verl's pieces this adapter writes out itself (every PASS line names them): a bug there would not show."""
+    return [
+        "verl's engine's temperature scaling and log-prob gather (verl/workers/engine): the adapter divides the "
+        "logits by the temperature itself before verl_F.logprobs_from_logits",
+        "losses.ppo_loss's composition (verl/workers/utils/losses.py): the adapter adds verl's core_algos terms "
+        "as ppo_loss does (tests/test_verify_assembly.py compares the two)",
+    ]
+
+
 def differences(args, chosen):
     out = []
     if args["script"] == "grpo" and args["scale_rewards"] == "group" and chosen["epsilon"] != 1e-4:
