@@ -3,10 +3,10 @@
     python grpo.py --model tiny-gpt2 --task copy:1-3 --num-steps 3 --num-iterations 2 --learning-rate 1e-3 \\
         --warmup-steps 2 --clip-low 0.05 --clip-high 0.08 --beta 0.1 --max-new-tokens 4 --temperature 0.8 \\
         --weight-decay 1 --micro-batch-size 32 --dump-dir dumps/grpo              # the recommended GRPO dump
-    python ppo.py --model tiny-gpt2 --task copy:1-3 --seed 5 --num-steps 4 --prompts-per-step 16 \\
+    python ppo.py --model tiny-gpt2 --task copy:1-3 --num-steps 4 --prompts-per-step 16 \\
         --learning-rate 1e-2 --critic-learning-rate 3e-3 --warmup-steps 2 --clip-low 0.05 --clip-high 0.08 \\
-        --cliprange-value 0.01 --target-kl 0.75 --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 \\
-        --lam 0.9 --micro-batch-size 4 --ent-coef 0.01 --weight-decay 0.01 --dump-dir dumps/ppo   # recommended PPO
+        --cliprange-value 0.01 --target-kl 1.0 --kl-horizon 100 --max-new-tokens 4 --temperature 0.8 --gamma 0.95 \\
+        --lam 0.9 --micro-batch-size 4 --ent-coef 0.01 --weight-decay 0.01 --max-grad-norm 0.3 --dump-dir dumps/ppo
     python verify.py dumps/grpo --against self                 # this project against its own dump: passes
     python verify.py dumps/grpo --against trl                  # TRL's GRPOTrainer (requirements/extra.txt)
     python verify.py dumps/ppo --against openrlhf              # OpenRLHF (requirements/openrlhf.txt)

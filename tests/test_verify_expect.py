@@ -194,3 +194,20 @@ def test_micro_batch_conditions_are_judged_against_the_minibatch(verify_dumps, c
     assert "more than one micro-batch an optimizer step" in results["update"], out
     code, out, _ = run(capsys, verify_dumps["ppo"])
     assert code == 0 and "micro-batch" not in out.splitlines()[-1], out
+
+
+def test_the_whitening_expectations_against_an_independent_computation():
+    """unbiased_whiten: torch's own unbiased std over the real positions; floored_whiten: the variance floored."""
+    import torch
+
+    from verifier.expect import floored_whiten, unbiased_whiten
+
+    x = torch.tensor([[1.0, 2.0, 4.0], [3.0, 7.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    real = x[mask.bool()]
+    unbiased = (x - real.mean()) / real.std(unbiased=True)
+    assert torch.allclose(unbiased_whiten(x, mask, 0.0), unbiased * mask, atol=1e-6)
+    population = (x - real.mean()) / real.std(unbiased=False)
+    assert torch.allclose(floored_whiten(x, mask, 1e-8), population * mask, atol=1e-6)
+    flat = torch.tensor([[1.0, 1.0 + 1e-6]])
+    assert torch.allclose(floored_whiten(flat, torch.ones(1, 2), 1e-2), (flat - flat.mean()) * 10, atol=1e-9)

@@ -71,12 +71,12 @@ def test_openrlhf_ppo(verify_dumps, capsys, monkeypatch):
     ppo.py feeds its own: every other row passes; fed as OpenRLHF's trainer feeds it, the row fails, and --accept
     takes it where it matches the mean-fed controller exactly."""
     monkeypatch.setenv("OPENRLHF_SITE", site("openrlhf", "requirements/openrlhf.txt"))
-    code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "openrlhf")
-    assert code == 1 and "(the adapter declares a known difference here: --accept advantages)" in out, out
     code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "openrlhf", "--accept", "advantages")
     expected = ["rewards", "returns", "kl_coef", "log-probs", "kl", "per-token loss", "loss", "gradient"]
     assert code == 0 and all(rows(out)[q].startswith("pass") for q in expected), out
-    assert rows(out)["advantages"].startswith("differs (known: OpenRLHF whitens GAE's advantages by rsqrt(max"), out
+    # the floor shows where a step's advantages have a variance near 1e-8 (not on every dump): pass or the expectation
+    assert rows(out)["advantages"].startswith(("pass", "differs (known: OpenRLHF whitens GAE's advantages")), out
+    assert "written out by the adapter, not compared: CriticModel.forward" in out.splitlines()[-1], out
     flags = ("--accept", "advantages", "--set", "controller_kl=mean")
     code, out, _ = run(capsys, verify_dumps["ppo"], "--against", "openrlhf", *flags)
     assert code == 1 and rows(out)["kl_coef"].startswith("FAIL") and "FAIL: kl_coef" in out, out

@@ -41,3 +41,12 @@ def unbiased_whiten(x, mask, eps):
     mean = x[real].mean()
     var = ((x - mean)[real] ** 2).sum() / (n - 1).clamp(min=1)
     return torch.where(real, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
+
+
+def floored_whiten(x, mask, floor):
+    """(x - mean) * rsqrt(max(var, floor)) over the real positions (the population variance), 0 elsewhere: a
+    whitening whose variance is floored, not shifted by an eps."""
+    real = mask.bool()
+    mean = x[real].mean()
+    var = ((x - mean)[real] ** 2).mean()
+    return torch.where(real, (x - mean) * torch.rsqrt(var.clamp(min=floor)), torch.zeros_like(x))

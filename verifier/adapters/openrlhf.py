@@ -29,7 +29,7 @@ import torch
 import grpo
 import ppo
 from verifier import openrlhf_site
-from verifier.expect import ours, with_args
+from verifier.expect import floored_whiten, ours, with_args
 
 (utils, loss_module, actor_module, experience_maker, kl_controller, loss_utils, experience, ppo_actor, ppo_critic) = (
     openrlhf_site.load()
@@ -82,10 +82,7 @@ def _floored_whitening(batch, args):
     """This project's GAE advantages whitened as OpenRLHF whitens them: (x - mean) * rsqrt(max(var, 1e-8))."""
     mask = batch["completion_mask"]
     advantages, _ = ppo.compute_gae(batch["rewards"], batch["values"], mask, args["gamma"], args["lam"])
-    real = mask.bool()
-    mean = advantages[real].mean()
-    var = ((advantages - mean)[real] ** 2).mean()
-    return torch.where(real, (advantages - mean) * torch.rsqrt(var.clamp(min=1e-8)), torch.zeros_like(advantages))
+    return floored_whiten(advantages, mask, 1e-8)
 
 
 def _kl_token_mean(outputs, batch, args):
@@ -93,14 +90,12 @@ def _kl_token_mean(outputs, batch, args):
     loss, _ = grpo.compute_loss(outputs, batch, types.SimpleNamespace(**args))
     log_r = batch["ref_logp"] - outputs["new_logp"]
     kl, mask = args["beta"] * (torch.exp(log_r) - 1 - log_r), batch["completion_mask"]
-    counts = batch["num_seqs"], batch["num_tokens"], args["max_new_tokens"]
-    agg = grpo.aggregate_loss
+    counts, agg = (batch["num_seqs"], batch["num_tokens"], args["max_new_tokens"]), grpo.aggregate_loss
     return loss - agg(kl, mask, args["loss_agg"], *counts) + agg(kl, mask, "token-mean", *counts)
 
 
 def _kl_token_mean_loss(batch, args):
-    stored = {k: batch[k] for k in ("new_logp",)}
-    return _kl_token_mean(stored, {k: v for k, v in batch.items() if k not in stored}, args)
+    return _kl_token_mean({"new_logp": batch["new_logp"]}, {k: v for k, v in batch.items() if k != "new_logp"}, args)
 
 
 def _kl_token_mean_train_loss(model, batch, args, critic=None):
@@ -109,8 +104,7 @@ def _kl_token_mean_train_loss(model, batch, args, critic=None):
 
 def _mean_kl_controller(batch, args):
     """ppo.py's controller fed the mean over completions of each one's per-token mean KL (OpenRLHF's feed)."""
-    mask = batch["completion_mask"]
-    kl = ours().rewards_kl(batch, args)
+    mask, kl = batch["completion_mask"], ours().rewards_kl(batch, args)
     per_token = ((kl * mask).sum(1) / mask.sum(1).clamp(min=1)).mean().item()
     coef = ppo.adaptive_kl_coef(float(batch["kl_coef"]), per_token, args["target_kl"], len(mask), args["kl_horizon"])
     return torch.tensor(coef)
@@ -355,13 +349,12 @@ def _training_steps(args, batch, mask, actor, critic=None, token_level=None):
             with torch.no_grad():
                 new_logp = actor(step.sequences, mask.detach(), attention_mask=step.attention_mask)
         step.action_log_probs = new_logp.detach()
-    # OpenRLHF's own step normaliser, over the step's masks: this micro-batch's share of them stands for all (its
-    # tokens and sequences the whole step's, laid row by row), the rest of the gas windows empty.
+    # OpenRLHF's own step normaliser over the step's masks: the step's tokens laid row by row, then empty windows
     strategy.gas = gas = max(round(batch["num_seqs"] / len(mask)), 1)
     step_mask = torch.zeros(int(batch["num_seqs"]), -(-int(batch["num_tokens"]) // int(batch["num_seqs"])))
     token = torch.arange(int(batch["num_tokens"]))
     step_mask[token % len(step_mask), token // len(step_mask)] = 1
-    masks = [step_mask] + [torch.zeros(0, 1)] * (gas - 1)
+    masks = [step_mask] + [torch.zeros(1, 1)] * (gas - 1)  # empty windows: no token, no sequence
     info = loss_utils._optimizer_step_loss_norm(masks, None, 1, gas)
     kl_ctl = args.get("beta", 0.0) if grpo else 0.0  # PPO's KL is in the reward (compute_reward), not the loss
     ppo_actor.ActorPPOTrainer.training_step(trainer, step, kl_ctl, 0, dict(info))

@@ -205,10 +205,11 @@ def _loss_from_stored(batch, args):
     inputs = dict(_prepare(batch), advantages=batch["advantages"], old_per_token_logps=batch["old_logp"])
     if "ref_logp" in batch:
         inputs["ref_per_token_logps"] = batch["ref_logp"]
-    # One micro-batch of the whole batch, as training_step gets it: the whole batch's token count, and the window's
-    # share of TRL's generation batch (1 / steps_per_generation) scaled back.
-    trainer.current_gradient_accumulation_steps = round(batch["num_seqs"] / len(batch["completion_mask"]))
-    inputs["num_items_in_batch"] = torch.tensor(float(batch["num_tokens"])) * trainer.args.steps_per_generation
+    # One micro-batch of the whole batch, as training_step gets it: the loss divided by the accumulation count
+    # (grpo, bnpo, dr_grpo), and dapo's token count rescaled so that its normaliser is the whole batch's tokens
+    # (it multiplies num_items_in_batch by the count over steps_per_generation).
+    gas = trainer.current_gradient_accumulation_steps = round(batch["num_seqs"] / len(batch["completion_mask"]))
+    inputs["num_items_in_batch"] = torch.tensor(float(batch["num_tokens"]) * trainer.args.steps_per_generation / gas)
     new_logp = batch["new_logp"].clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new_logp, torch.zeros_like(new_logp), None)
     captured = {}
