@@ -238,7 +238,8 @@ def test_clipped_is_where_the_clip_cut_the_gradient_under_asymmetric_bounds(clip
 def test_verifys_notes_read_what_the_loss_clipped():
     """verify's "exercised" notes on a loss row: a token the loss clipped (its ratio below or above 1), and a ratio
     out of the clip range the loss left alone, from the loss's `clipped` term, not a second PPO-clip test."""
-    from verifier.report import Report, loss_conditions
+    from verifier.conditions import loss_conditions
+    from verifier.report import Report
 
     new_logp, old_logp, advantages, mask = clip_case()
     batch = dict(completion_mask=mask)

@@ -24,7 +24,8 @@ def test_self_check_passes_with_every_branch_exercised(verify_dumps, capsys, scr
     expected = ["advantages", "replay", "log-probs", "kl", "per-token loss", "loss", "gradient"]
     expected += ["update"] if script == "grpo" else ["rewards", "returns", "kl_coef"]
     assert all(results[q] == "pass" for q in expected), out  # "pass" alone: no "never exercised"
-    assert "| gradient | 1,2,3 |" in out and "| replay | 1,2,3 |" in out  # the replay reached step 3
+    steps = "1,2,3" if script == "grpo" else "1,2,3,4"
+    assert f"| gradient | {steps} |" in out and f"| replay | {steps} |" in out  # the replay reached the last step
 
 
 def test_a_check_that_could_not_fail_says_so(verify_dumps, capsys):
@@ -237,7 +238,7 @@ def test_the_command_line(verify_dumps):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, os.path.join(ROOT, "verify.py"), verify_dumps["ppo"]]
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("PASS: 10 of the adapter's rows"), out.stderr
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("PASS: 12 of the adapter's rows"), out.stderr
 
 
 def recipe(script):

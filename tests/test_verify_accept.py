@@ -23,7 +23,8 @@ def group_advantages(batch, args):
 per_token_loss, loss = ours.per_token_loss, ours.loss
 
 def known_differences(args, options):
-    return {{"advantages": dict(why="the std's eps is 1e-3", where="mine.py, group_advantages", bound=("rel", 0.05))}}
+    why, where, derivation = "the std's eps is 1e-3", "mine.py, group_advantages", "eps / std, std > 0.02"
+    return {{"advantages": dict(why=why, where=where, bound=("rel", 0.05), derivation=derivation)}}
 """
 
 
@@ -37,12 +38,13 @@ def test_a_known_difference_within_its_bound_is_shown_and_counted_apart(verify_d
     code, out, _ = run(capsys, verify_dumps["grpo"], "--against", adapter)
     assert code == 1 and rows(out)["advantages"].startswith("FAIL at step"), out
     code, out, _ = run(capsys, verify_dumps["grpo"], "--against", adapter, "--accept", "advantages")
-    expected = "differs (known: the std's eps is 1e-3 (mine.py, group_advantages); bound rel 5e-02) at step"
+    expected = "differs (known: the std's eps is 1e-3 (mine.py, group_advantages); bound rel 5e-02, derived: eps / std"
     assert code == 0 and rows(out)["advantages"].startswith(expected), out
     summary = out.splitlines()[-1]
     assert summary.startswith("PASS: 2 of the adapter's rows within their tolerances (per-token loss, loss)")
     assert (
-        "1 accepted as known differences, within their declared bounds and beyond the tolerance: advantages" in summary
+        "1 accepted as known differences (the declared expectation within the tolerance, or a derived bound), beyond "
+        "the tolerance from this project: advantages" in summary
     )
     assert "within tolerance" not in out.replace("within their tolerances (per-token", "")
 
@@ -66,10 +68,10 @@ def test_an_accepted_row_fails_beyond_its_bound_on_nan_and_on_a_flipped_sign(
     "declared, message",
     [
         ("'eps differs'", "known_differences()['advantages'] is eps differs, without a why and a where"),
-        ("dict(why='eps', where='x.py', bound=('rel', -1))", "has the bound value -1, not a finite number >= 0"),
-        ("dict(why='eps', where='x.py', bound=('rel', 10**400))", "has the bound value 1000000"),
-        ("dict(why='eps', where='x.py', bound=('rel', 1e300))", "beyond the ceiling rel 1 (the row's own size)"),
-        ("dict(why='eps', where='x.py', bound=('rel', True))", "has the bound value True, not a finite number"),
+        ("dict(why='eps', where='x', derivation='d', bound=('rel', -1))", "has the bound value -1, not a finite"),
+        ("dict(why='eps', where='x', derivation='d', bound=('rel', 10**400))", "has the bound value 1000000"),
+        ("dict(why='eps', where='x', derivation='d', bound=('rel', 1e300))", "beyond the ceiling rel 1"),
+        ("dict(why='eps', where='x', derivation='d', bound=('rel', True))", "has the bound value True"),
         ("dict(why='eps', bound=('rel', 1e-2))", "keyed by one of advantages"),
     ],
 )
@@ -87,7 +89,7 @@ def test_an_absolute_bound_counts_at_most_the_rows_own_size(verify_dumps, capsys
         "group_advantages = ours.group_advantages\n"
         "def per_token_loss(batch, args):\n    return 1000 * ours.per_token_loss(batch, args)\n"
         "def known_differences(args, options):\n"
-        "    return {'per-token loss': dict(why='x', where='y', bound=('abs', 1e300))}\n"
+        "    return {'per-token loss': dict(why='x', where='y', derivation='d', bound=('abs', 1e300))}\n"
     )
     code, out, _ = run(
         capsys, verify_dumps["grpo"], "--against", write_adapter(tmp_path, body), "--accept", "per-token loss"
@@ -102,7 +104,7 @@ def test_an_accepted_gradient_must_keep_its_direction(verify_dumps, capsys, tmp_
         "group_advantages = ours.group_advantages\n"
         "def train_loss(model, batch, args, critic=None):\n    return -ours.train_loss(model, batch, args, critic)\n"
         "def known_differences(args, options):\n"
-        "    return {'gradient': dict(why='x', where='y', bound=('rel', 1.0))}\n"
+        "    return {'gradient': dict(why='x', where='y', derivation='d', bound=('rel', 1.0))}\n"
     )
     code, out, _ = run(
         capsys, verify_dumps["plain"], "--against", write_adapter(tmp_path, body), "--accept", "gradient"

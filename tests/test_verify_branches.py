@@ -11,13 +11,13 @@ BUGS = {  # name: (script, the line of grpo.py or ppo.py, the bug, the rows it m
         "grpo",
         "return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs",
         "return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / len(mask)",
-        ["gradient", "update"],
+        ["loss", "gradient", "update"],  # the loss row calls the loss once per micro-batch, as the loop does
     ),
     "PPO micro-batch losses summed, each a mean of its own tokens": (
         "ppo",
         "loss = per_token_loss.sum() / max(minibatch_tokens, 1)",
         "loss = per_token_loss.sum() / max(int(mask.sum()), 1)",
-        ["loss", "gradient", "update"],
+        ["loss", "gradient", "critic gradient", "update", "critic update"],
     ),
     "PPO entropy bonus with the wrong sign": (
         "ppo",

@@ -115,3 +115,24 @@ def test_rotary_positions_hide_a_missing_position_correction(capsys, tmp_path):
     rotary = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, model="tiny", num_steps=1))
     code, out, _ = run(capsys, rotary, "--against", adapter)
     assert rows(out)["log-probs"] == "pass", out
+
+
+def test_a_dump_of_the_previous_version_is_read_not_called_damaged(verify_dumps, capsys, tmp_path):
+    """The version before --gradient-checkpointing auto|on|off wrote a bool: read as off/on, with a note."""
+    older = edit_metadata(verify_dumps["plain"], tmp_path / "older", gradient_checkpointing=False)
+    code, out, err = run(capsys, older)
+    assert code == 0 and "damaged" not in out + err, out + err
+    assert "note: the dump is from an older version (--gradient-checkpointing true/false): read as" in out, out
+    other = edit_metadata(verify_dumps["plain"], tmp_path / "other", gradient_checkpointing=3)
+    code, out, err = run(capsys, other)
+    assert code == 2 and "a dump of another version of this project" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_this_projects_own_run_with_recomputed_activations_passes(capsys, tmp_path):
+    """Issue 50's run: shared prompts (groups of 8), a temperature and --gradient-checkpointing on. The run's
+    forward shares no prompt cache while it recomputes activations; the replay must do the same, or its log-probs
+    drift past the replay's 1e-5 (2.9e-5 measured)."""
+    flags = dict(num_steps=2, prompts_per_step=16, group_size=8, max_new_tokens=20, temperature=0.5)
+    code, out, _ = run(capsys, make_dump(tmp_path, "grpo", **flags, gradient_checkpointing="on"))
+    assert code == 0 and rows(out)["replay"].startswith("pass"), out

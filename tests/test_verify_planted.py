@@ -75,7 +75,7 @@ def rewards(batch, args):
     ),
 }
 ROUND_ONE_ROWS = {
-    "value clip takes the min": ["per-token loss", "loss", "gradient"],
+    "value clip takes the min": ["per-token loss", "loss", "critic gradient"],  # the critic's row alone
     "policy clip takes the min": ["per-token loss", "loss", "gradient"],
     "GRPO clip bound doubled": ["per-token loss", "loss", "gradient"],
     "PPO KL sign flipped": ["rewards", "kl", "kl_coef"],
@@ -203,6 +203,13 @@ OPENRLHF = {
         "ppo",
         ["kl_coef"],
     ),
+    "OpenRLHF's step normaliser without its / gas (issue 49)": (
+        "utils/loss_utils.py",
+        '"batch_num_tokens": num_tokens / gas, "global_batch_size": num_samples / gas}',
+        '"batch_num_tokens": num_tokens, "global_batch_size": num_samples}',
+        "ppo",
+        ["per-token loss", "loss", "gradient", "critic gradient"],
+    ),
     "OpenRLHF's actor shifted by one token (round one)": (
         "models/actor.py",
         "log_probs = log_probs[:, :-1]",
@@ -223,7 +230,8 @@ def test_a_bug_planted_in_openrlhf_fails_its_rows(verify_dumps, capsys, tmp_path
     if script == "grpo":  # OpenRLHF's GRPO: the group's std with its eps, the paper's k3, its token-mean loss
         flags = dict(scale_rewards="group", adv_eps=1e-9, bias_corrected_kl=False, loss_agg="token-mean")
         dump = make_dump(tmp_path, "grpo", **dict(GRPO_RECIPE, **flags))
-    code, out, _ = run(capsys, dump, "--against", "openrlhf")
+    accept = ["--accept", "advantages"] if script == "ppo" else []  # its whitening's variance floor, expected
+    code, out, _ = run(capsys, dump, "--against", "openrlhf", *accept)
     assert_caught(code, out, caught)
     if script == "grpo":
         assert rows(out)["advantages"].startswith("FAIL (NaN)"), out  # a group of equal rewards: 0 / 0

@@ -95,11 +95,13 @@ def parse_options(adapter, pairs):
 
 
 def known_differences(adapter, args, options):
-    """The adapter's declared known differences, checked: {quantity: dict(why, where, bound=(kind, value))}."""
+    """The adapter's declared known differences, checked: {quantity: dict(why, where, expect=FUNCTION)} (the value
+    its peer gives by design, compared at the row's tolerance), or, where no exact expectation exists,
+    {quantity: dict(why, where, bound=(kind, value), derivation=TEXT)}."""
     if not hasattr(adapter, "known_differences"):
         return {}
     declared, _ = call(adapter, "known_differences", args, options)
-    example = "dict(why='...', where='file.py, function', bound=('rel', 1e-2))"
+    example = "dict(why='...', where='file.py, function', expect=FUNCTION)"
     if not isinstance(declared, dict):
         raise AdapterError(f"adapter {adapter.label!r}: known_differences() returned {type(declared).__name__}")
     for quantity, spec in declared.items():
@@ -122,6 +124,10 @@ def known_problem(quantity, spec):
         return "is keyed by no row of the table"
     if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) and spec[k] for k in ("why", "where")):
         return f"is {str(spec)[:80]}, without a why and a where (text)"
+    if "expect" in spec:
+        return None if callable(spec["expect"]) else f"has expect={str(spec['expect'])[:40]}, not a function"
+    if not (isinstance(spec.get("derivation"), str) and spec["derivation"].strip()):
+        return "has a bound without a derivation (text: why the difference cannot exceed it), or no expect"
     bound = spec.get("bound")
     if not (isinstance(bound, (tuple, list)) and len(bound) == 2 and bound[0] in ("abs", "rel")):
         return f"has the bound {str(bound)[:40]}, not (kind, value) with kind 'abs' or 'rel'"
@@ -195,8 +201,26 @@ def as_tensor(adapter, name, value):
         ) from None
 
 
-def compare(report, quantity, step, adapter, fn, value, expected, mask=None, what="", scale=None):
-    """The adapter's `value` (from `fn`) against the dump's `expected`, which must have the same shape."""
+def expecting(report, quantity):
+    """The accepted known difference's expect function of this row, or None."""
+    spec = report.rows[quantity]["known"]
+    return spec["expect"] if spec and "expect" in spec else None
+
+
+def expectation(report, quantity, adapter, *given):
+    """The accepted known difference's expectation on `given` (the inputs of the adapter's function), or None. Its
+    mistakes are the adapter's (exit status 3)."""
+    fn = expecting(report, quantity)
+    if fn is None:
+        return None
+    name = f"known_differences()[{quantity!r}]['expect']"
+    out, _ = call(type("Expectation", (), {"label": adapter.label, name: staticmethod(fn)}), name, *given)
+    return out
+
+
+def compare(report, quantity, step, adapter, fn, value, expected, mask=None, what="", scale=None, known=None):
+    """The adapter's `value` (from `fn`) against the dump's `expected`, which must have the same shape; `known`:
+    the accepted known difference's expectation (expectation()), of the same shape."""
     if value is None:
         return
     if expected is None:
@@ -207,4 +231,25 @@ def compare(report, quantity, step, adapter, fn, value, expected, mask=None, wha
             f"adapter {adapter.label!r}: {fn}() returned shape {tuple(actual.shape)} at step {step}; "
             f"the dump's {what} is {tuple(expected.shape)}"
         )
-    report.add(quantity, step, actual, expected, mask, what, scale)
+    if known is not None:
+        known = as_tensor(adapter, "the known difference's expect", known)
+        if known.shape != actual.shape and known.shape == actual.shape[:1]:  # one value a row, for every token
+            known = known[:, None].expand_as(actual)
+        if known.shape != actual.shape:
+            raise AdapterError(
+                f"adapter {adapter.label!r}: the known difference's expect for {quantity} returned shape "
+                f"{tuple(known.shape)} at step {step}; {fn}() returned {tuple(actual.shape)}"
+            )
+    report.add(quantity, step, actual, expected, mask, what, scale, known)
+
+
+def written_out(adapter, args, options):
+    """The pieces of its peer the adapter writes out itself (not compared): WRITTEN_OUT, a list of lines, or
+    written_out(args, options) returning one. Every PASS line names them."""
+    if hasattr(adapter, "written_out"):
+        lines, _ = call(adapter, "written_out", args, options)
+    else:
+        lines = getattr(adapter, "WRITTEN_OUT", [])
+    if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
+        raise AdapterError(f"adapter {adapter.label!r}: WRITTEN_OUT / written_out() must be a list of lines (str)")
+    return list(lines)

@@ -76,8 +76,8 @@ def check_args(args, meta_path):
     for name, (_, kind) in fields.items():
         if not fits(args[name], kind):
             raise VerifyError(
-                f"{meta_path}: {name} is {args[name]!r}, not of type {getattr(kind, '__name__', kind)}: the "
-                "metadata of this dump is damaged; make the dump again"
+                f"{meta_path}: {name} is {args[name]!r}, not of type {getattr(kind, '__name__', kind)}: a dump of "
+                "another version of this project (or a damaged one); make the dump again with this version"
             )
     module = {"grpo": grpo, "ppo": ppo}[args["script"]]
     try:
@@ -106,6 +106,12 @@ def load_dump(dump_dir):
         raise VerifyError(
             f"{meta_path} says {args['script']}.py but holds flags it has not ({', '.join(unknown[:4])}):"
             " the metadata of another script or version; make the dump again with this version"
+        )
+    if isinstance(args.get("gradient_checkpointing"), bool):  # the version before auto|on|off: a bool
+        args["gradient_checkpointing"] = "on" if args["gradient_checkpointing"] else "off"
+        notes.append(
+            "the dump is from an older version (--gradient-checkpointing true/false): read as "
+            f"--gradient-checkpointing {args['gradient_checkpointing']}"
         )
     missing = sorted(set(fields) - set(args))
     if missing:

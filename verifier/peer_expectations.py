@@ -4,22 +4,11 @@ the formula the peer documents, never by calling the peer. verify.py compares th
 tolerance, so a bug on top of a known difference fails. Where a formula needs what this project computes the same
 way (GAE's returns, the policy's clipped surrogate), it asks this project's adapter (verifier/adapters/self.py)."""
 
-import functools
-import importlib.util
-import os
 import types
 
 import torch
 
-
-@functools.cache
-def ours():
-    """This project's adapter (verifier/adapters/self.py), loaded once."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adapters", "self.py")
-    spec = importlib.util.spec_from_file_location("peer_expectations_self", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from verifier.expect import ours
 
 
 def _flags(args, **changes):

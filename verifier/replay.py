@@ -9,11 +9,12 @@ import copy
 import torch
 
 from common import select_rows
-from verifier.calls import AdapterError, call, compare
+from verifier.calls import AdapterError, call, compare, expecting
+from verifier.conditions import loss_conditions
 from verifier.dump import inputs, micro_batch, whole_batch
-from verifier.report import EARLY, loss_conditions, one_line
+from verifier.report import EARLY, one_line
 
-WEIGHT_ROWS = ("replay", "log-probs", "gradient", "update")
+WEIGHT_ROWS = ("replay", "log-probs", "gradient", "critic gradient", "update", "critic update")
 
 
 def counts(batch):
@@ -22,8 +23,11 @@ def counts(batch):
 
 
 def flat_gradients(models):
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in models for p in m.parameters()]
-    return torch.cat([g.flatten() for g in grads])
+    """Each model's gradient, flattened: [policy's, critic's]."""
+    return [
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in m.parameters()])
+        for m in models
+    ]
 
 
 def accumulated(loss_fn, models, micros):
@@ -86,20 +90,33 @@ def micro_batches(batch, rows, size, num_seqs, num_tokens):
     ]
 
 
+GRADIENT_ROWS, UPDATE_ROWS = ("gradient", "critic gradient"), ("update", "critic update")  # policy's, critic's
+
+
 def check_gradient(report, adapter, ref, step, micros, args, models, dumped):
     """The adapter's train_loss called micro-batch by micro-batch and its gradients summed, as the loop does, against
-    this project's; `dumped`: the batch the dump's stored outputs are of (what the branches are read from)."""
+    this project's, each model's apart (and, under --accept, against the known difference's expect called the same
+    way); `dumped`: the batch the dump's stored outputs are of (what the branches are read from)."""
     micros = [inputs("train_loss", micro, args) for micro in micros]
     ours = accumulated(lambda micro: ref.train_loss(models[0], micro, args, *models[1:]), models, micros)
-    report.exercise("update", "the gradient's norm clipped", ours.norm() > args["max_grad_norm"])
+    for q, grad in zip(UPDATE_ROWS, ours):
+        report.exercise(q, "the gradient's norm clipped", grad.norm() > args["max_grad_norm"])
     theirs, why = adapter_gradients(adapter, [copy.deepcopy(m) for m in models], micros, args)
     if theirs is not None:
-        report.add("gradient", step, theirs, ours)
-        loss_conditions(report, ["gradient"], ref, inputs("loss", dumped, args), args)
+        known = [None] * len(models)
+        for i, q in enumerate(GRADIENT_ROWS[: len(models)]):
+            fn = expecting(report, q)
+            if fn is not None:
+                stand_in = type("Expected", (), {"label": adapter.label, "train_loss": staticmethod(fn)})
+                known[i] = adapter_gradients(stand_in, [copy.deepcopy(m) for m in models], micros, args)[0][i]
+        for q, mine, yours, expected in zip(GRADIENT_ROWS, ours, theirs, known):
+            report.add(q, step, yours, mine, known=expected)
+            loss_conditions(report, [q], ref, inputs("loss", dumped, args), args)
         if args["script"] == "grpo":  # PPO's loss rows say it: "a micro-batch smaller than its minibatch"
             more = "more than one micro-batch (--micro-batch-size below the batch)"
             report.exercise("gradient", more, len(micros) > 1)
-    report.skip("gradient", why)
+    for q in GRADIENT_ROWS[: len(models)]:
+        report.skip(q, why)
 
 
 def replayed(report, ref, step, models, batch, stored, args):
@@ -225,27 +242,31 @@ def scored(ref, models, batch, args):
 
 def check_update(report, adapter, ref, steps, args, initial, critic, reached):
     """The adapter's update(): its own optimizer, its state kept, from the initial models through the steps the
-    replay reached (`reached`: the first it did not, or None). Scored by the next step's stored log-probs (PPO: and
-    values), each relative to how far this project's update moved them from where the adapter's models started."""
+    replay reached (`reached`: the first it did not, or None). Scored by the next step's stored log-probs (the
+    update row) and, PPO, values (the critic update row), each relative to how far this project's update moved them
+    from where the adapter's models started. Under --accept, the known difference's expect (a train_loss) stands in
+    for this project's loss in this project's optimizer, and the adapter's models must land where those do."""
     if not hasattr(adapter, "update"):
-        return report.skip("update", "adapter has no update()")
+        return [report.skip(q, "adapter has no update()") for q in UPDATE_ROWS]
     ppo = args["script"] == "ppo"
     models = [copy.deepcopy(initial)] + ([copy.deepcopy(critic)] if ppo and critic is not None else [])
-    state = {}
+    fn = expecting(report, "update") or expecting(report, "critic update")
+    expected = [copy.deepcopy(m) for m in models] if fn else None
+    state, expected_state = {}, {}
     for step in sorted(steps):
         if step + 1 not in steps or (reached is not None and step + 1 >= reached):
             break
         d, following = steps[step], whole_batch(steps[step + 1], args)
         if ppo and "minibatches" not in d:
-            return report.skip("update", "the dump has no minibatches (made by an older version)")
+            return [report.skip(q, "the dump has no minibatches (made by an older version)") for q in UPDATE_ROWS]
         before = scored(ref, models, following, args)
         batch = inputs("update", whole_batch(d, args), args)
         if ppo:  # the minibatches' rows in the order the run took them: [update_epochs * num_minibatches, size]
             batch["minibatches"] = d["minibatches"].view(-1, len(d["minibatch_index"]))
         extra = [models[1] if len(models) > 1 else None] if ppo else []  # update(model, batch, args, state, critic)
-        _, why = call(adapter, "update", models[0], batch, args, state, *extra)
+        _, why = call(adapter, "update", models[0], dict(batch), args, state, *extra)
         if why:
-            return report.skip("update", why)
+            return [report.skip(q, why) for q in UPDATE_ROWS]
         try:
             now = scored(ref, models, following, args)
         except Exception as e:
@@ -253,17 +274,25 @@ def check_update(report, adapter, ref, steps, args, initial, critic, reached):
                 f"adapter {adapter.label!r}: the models its update() left cannot compute log-probs or values "
                 f"({type(e).__name__}: {one_line(e)})"
             ) from None
+        known = [None] * len(models)
+        if fn:
+            critic_of = expected[1] if len(expected) > 1 else None
+            ref.update(expected[0], dict(batch), args, expected_state, critic_of, loss=fn)
+            known = scored(ref, expected, following, args)
         mask = following["completion_mask"].bool()
         stored = [following["old_logp"], following["values"]] if ppo else [following["old_logp"]]
-        for after, start, expected, what in zip(now, before, stored, ("old_logp", "values")):
-            moved = (expected - start)[mask].abs().max().item()
+        for q, after, start, target, exp, what in zip(UPDATE_ROWS, now, before, stored, known, ("old_logp", "values")):
+            moved = (target - start)[mask].abs().max().item()
             if moved == 0:  # nothing moved (a learning rate of 0): the difference itself
                 moved = 1.0
-            report.add("update", step, after / moved, expected / moved, mask, what, scale=1.0)
-        report.exercise("update", "a step after the first (the optimizer's state carried over)", step > 1)
-        report.exercise("update", "weight decay", args["weight_decay"] > 0)
-        micro = args["micro_batch_size"] < (len(mask) if not ppo else len(batch["minibatches"][0]))
-        report.exercise("update", "more than one micro-batch an optimizer step", micro)
-        per_step = len(batch["minibatches"]) if ppo else args["num_iterations"]
-        report.exercise("update", "more than one optimizer step a training step", per_step > 1)
-    report.skip("update", "needs two consecutive steps")
+            exp = exp / moved if exp is not None and expecting(report, q) else None
+            report.add(q, step, after / moved, target / moved, mask, what, scale=1.0, known=exp)
+            report.exercise(q, "a step after the first (the optimizer's state carried over)", step > 1)
+            report.exercise(q, "weight decay", args["weight_decay"] > 0)
+            micro = args["micro_batch_size"] < (len(mask) if not ppo else len(batch["minibatches"][0]))
+            report.exercise(q, "more than one micro-batch an optimizer step", micro)
+            per_step = len(batch["minibatches"]) if ppo else args["num_iterations"]
+            report.exercise(q, "more than one optimizer step a training step", per_step > 1)
+            report.exercise(q, "a learning rate that moves (--warmup-steps)", args["warmup_steps"] > 0)
+    for q in UPDATE_ROWS:
+        report.skip(q, "needs two consecutive steps")

@@ -14,7 +14,7 @@ import torch
 import common
 import grpo
 import ppo
-from machinery import lora, models
+from machinery import lora, model_checks, models, precision
 
 ALGORITHMS = {"grpo": grpo, "ppo": ppo}
 
@@ -101,11 +101,12 @@ def train_loss(model, batch, args, critic=None):
     return algorithm.compute_loss(outputs(model, batch, args, critic), batch, flags)[0]
 
 
-def update(model, batch, args, state, critic=None):
+def update(model, batch, args, state, critic=None, loss=None):
     """One training step of the script's optimizer, as its loop takes it: GRPO num_iterations optimizer steps on the
     whole batch, PPO one a minibatch (batch["minibatches"]: their rows, in the run's order); each accumulated over
     micro-batches with the whole batch's (PPO: minibatch's) denominators, each model's gradient norm clipped, then
-    the schedule's step. `state` keeps the optimizer from one call to the next."""
+    the schedule's step. `state` keeps the optimizer from one call to the next. `loss`: a train_loss to step with
+    in place of this project's (verify's known differences: the update a peer makes by design)."""
     if "optimizer" not in state:
         state["optimizer"], state["scheduler"] = optimizer(model, args, critic)
     opt, trained = state["optimizer"], [m for m in (model, critic) if m is not None]
@@ -120,7 +121,7 @@ def update(model, batch, args, state, critic=None):
             batch = dict(batch, num_seqs=len(minibatch), num_tokens=int(batch["completion_mask"][minibatch].sum()))
         for i in range(0, len(minibatch), args["micro_batch_size"]):
             micro = common.select_rows(batch, minibatch[i : i + args["micro_batch_size"]])
-            train_loss(model, micro, args, critic).backward()
+            (loss or train_loss)(model, micro, args, critic).backward()
         for m in trained:
             torch.nn.utils.clip_grad_norm_(m.parameters(), args["max_grad_norm"])
         opt.step()
@@ -135,9 +136,30 @@ def initial_models(args):
     the run's initial adapters (lora.wrap draws them from --seed), whose B = 0 leaves the reference the base."""
     device = torch.device("cpu")
     policy = lora.wrap(models.load_causal_lm(args["model"], device), args)
-    if args["script"] == "grpo":
-        return policy, None
-    return policy, ppo.load_critic(args["critic_model"] or args["model"], device, args) if args["vf_coef"] > 0 else None
+    critic = None
+    if args["script"] == "ppo" and args["vf_coef"] > 0:
+        critic = ppo.load_critic(args["critic_model"] or args["model"], device, args)
+    recomputing(policy, critic, args)
+    return policy, critic
+
+
+def recomputing(policy, critic, args):
+    """Activations recomputed in the backward pass where the run recomputed them (--gradient-checkpointing, its
+    auto rule on one process): the forward then shares no prompt cache (prompt_cache.shareable_cache), so its
+    log-probs and gradients round as the run's did; a replay that shares it drifts by ~3e-5 in two steps."""
+    from transformers import AutoConfig
+
+    flags = types.SimpleNamespace(**args)
+    critic_config = None
+    if critic is not None:
+        critic_config = models.from_pretrained(
+            AutoConfig, models.resolve_model_path(args["critic_model"] or args["model"])
+        )
+    on, _ = model_checks.choose_checkpointing(flags, policy.config, 1, critic_config)
+    if on:
+        precision.set_activation_checkpointing(policy, True)
+        if critic is not None:  # as ppo.py does: the critic's backbone as the policy
+            precision.set_activation_checkpointing(critic.backbone, True)
 
 
 def optimizer(model, args, critic=None):

@@ -34,6 +34,14 @@ LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-tok
 state = {}
 
 
+def written_out(args, options):
+    """TRL's pieces this adapter writes out itself (every PASS line names them): a bug there would not show."""
+    return [
+        "the HF Trainer's training_step (its scaling of each micro-batch's loss for gradient accumulation, "
+        "loss_is_scaled_for_ga): the adapter calls GRPOTrainer.compute_loss and sets the accumulation count itself"
+    ]
+
+
 def differences(args, options):
     """The known differences between TRL and grpo.py that this dump's flags switch on."""
     out = []
@@ -191,15 +199,17 @@ def token_logprobs(model, batch, args):
 
 
 def _loss_from_stored(batch, args):
-    """TRL's _compute_loss on the stored log-probs and advantages; its locals are read as it returns."""
-    trainer = state["trainer"]
+    """TRL's _compute_loss on the stored log-probs and advantages of one micro-batch (padded anew, as TRL pads
+    it); its locals are read as it returns."""
+    trainer, batch = state["trainer"], _trimmed(batch)
     inputs = dict(_prepare(batch), advantages=batch["advantages"], old_per_token_logps=batch["old_logp"])
     if "ref_logp" in batch:
         inputs["ref_per_token_logps"] = batch["ref_logp"]
-    # The whole batch at once, as one accumulation window: TRL's dapo divides by num_items_in_batch times the
-    # window's share of its generation batch (1 / steps_per_generation), so the count is scaled back.
-    trainer.current_gradient_accumulation_steps = 1
-    inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * trainer.args.steps_per_generation
+    # One micro-batch of the whole batch, as training_step gets it: the loss divided by the accumulation count
+    # (grpo, bnpo, dr_grpo), and dapo's token count rescaled so that its normaliser is the whole batch's tokens
+    # (it multiplies num_items_in_batch by the count over steps_per_generation).
+    gas = trainer.current_gradient_accumulation_steps = round(batch["num_seqs"] / len(batch["completion_mask"]))
+    inputs["num_items_in_batch"] = torch.tensor(float(batch["num_tokens"]) * trainer.args.steps_per_generation / gas)
     new_logp = batch["new_logp"].clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new_logp, torch.zeros_like(new_logp), None)
     captured = {}
@@ -217,14 +227,23 @@ def _loss_from_stored(batch, args):
     return loss, captured
 
 
+def _widened(per_token, batch):
+    """A micro-batch's per-token values [n, w] back on the dump's width T (zeros past the last real column)."""
+    mask = batch["completion_mask"]
+    out = torch.zeros(mask.shape, dtype=per_token.dtype)
+    out[:, : per_token.shape[1]] = per_token.detach().cpu()
+    return out * mask
+
+
 def kl(batch, args):
     _, local = _loss_from_stored(batch, args)
-    return local["per_token_kl"] * batch["completion_mask"]
+    return _widened(local["per_token_kl"], batch)
 
 
 def per_token_loss(batch, args):
     _, local = _loss_from_stored(batch, args)
-    return local["per_token_loss"].expand_as(batch["new_logp"]) * batch["completion_mask"]
+    width = local["per_token_logps"].shape[1] if "per_token_logps" in local else _trimmed(batch)["new_logp"].shape[1]
+    return _widened(local["per_token_loss"].expand(len(batch["completion_mask"]), width), batch)
 
 
 def loss(batch, args):

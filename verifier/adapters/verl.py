@@ -19,6 +19,9 @@ its actor does. There is no `update`: verl's optimizer is its engine's, not a fu
 import numpy as np
 import torch
 
+import ppo
+from verifier.expect import unbiased_whiten
+
 try:
     from verl.trainer.ppo import core_algos
     from verl.utils import torch_functional as verl_F
@@ -39,18 +42,34 @@ def setup(args, chosen, model):
 
 
 def known_differences(args, chosen):
-    """{quantity: the difference, where it is in verl, and how large it can be}: what --accept can take."""
+    """{quantity: the difference, where it is in verl, and what verl must give by design}: what --accept takes."""
     if args["script"] != "ppo":
         return {}
-    n = args["prompts_per_step"] * args["samples_per_prompt"]  # the fewest real tokens a batch can have
     return {
         "advantages": dict(
-            why="verl whitens GAE's advantages with the unbiased variance (times N / (N - 1) over N real tokens), "
-            "ppo.py with the population variance: they differ by a factor sqrt(1 - 1 / N), under 1 / N",
+            why="verl whitens GAE's advantages with the unbiased variance (times N / (N - 1) over N real tokens) "
+            "and eps 1e-8, ppo.py with the population variance and --adv-eps",
             where="verl/utils/torch_functional.py, masked_whiten (var * N / (N - 1))",
-            bound=("rel", 1 / n),
+            expect=_unbiased_advantages,
         )
     }
+
+
+def _unbiased_advantages(batch, args):
+    """This project's GAE, whitened as verl whitens it: the expectation of the advantages row."""
+    mask = batch["completion_mask"]
+    advantages, _ = ppo.compute_gae(batch["rewards"], batch["values"], mask, args["gamma"], args["lam"])
+    return unbiased_whiten(advantages, mask, 1e-8)
+
+
+def written_out(args, chosen):
+    """verl's pieces this adapter writes out itself (every PASS line names them): a bug there would not show."""
+    return [
+        "verl's engine's temperature scaling and log-prob gather (verl/workers/engine): the adapter divides the "
+        "logits by the temperature itself before verl_F.logprobs_from_logits",
+        "losses.ppo_loss's composition (verl/workers/utils/losses.py): the adapter adds verl's core_algos terms "
+        "as ppo_loss does (tests/test_verify_assembly.py compares the two)",
+    ]
 
 
 def differences(args, chosen):
