@@ -60,7 +60,9 @@ def test_openrlhf_grpo_loss_is_its_training_steps_with_the_kl_a_token_mean(dumps
     batch, args = loss_batch(dumps["grpo"], 2, loss_agg=loss_agg)
     mask, info = batch["completion_mask"], dict(batch_num_tokens=batch["num_tokens"])
     info["global_batch_size"] = batch["num_seqs"]
-    policy = openrlhf.loss_module.PolicyLoss(0.05, 0.05, token_level_loss=loss_agg == "token-mean")
+    policy = openrlhf.loss_module.PolicyLoss(
+        args["clip_low"], args["clip_high"], token_level_loss=loss_agg == "token-mean"
+    )
     advantages = batch["advantages"][:, None].expand_as(mask)
     written = policy(batch["new_logp"], batch["old_logp"], advantages, action_mask=mask, **info)[0]
     written = written + args["beta"] * openrlhf.loss_module.aggregate_loss(k3(batch), mask, **info)  # token mean
