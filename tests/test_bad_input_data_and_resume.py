@@ -517,7 +517,7 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path, monkeypatch, when):
         (
             "--task jsonl:{deep}",
             "error: {deep}, line 1: not valid JSON (nested too deeply for Python to read); write one "
-            'object like {{"prompt": "...", "answer": "..."}} per line',
+            'object like {{"prompt": "..."}} or {{"prompt": "...", "answer": "..."}} per line',
         ),
     ],
 )

@@ -424,7 +424,7 @@ def test_jsonl_bad_json_names_file_and_line(tmp_path):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"prompt": "1="}, 'the key "answer" is missing'),
+        ({"prompt": "1="}, 'has no "answer" while line 1 has one: give every line an "answer", or none'),
         ({"answer": "1"}, 'the key "prompt" is missing'),
         ({"prompt": "", "answer": "1"}, '"prompt" must be a non-empty string'),
         ({"prompt": "1=", "answer": None}, '"answer" must be'),
@@ -434,7 +434,7 @@ def test_jsonl_bad_json_names_file_and_line(tmp_path):
 )
 def test_jsonl_bad_row_names_file_line_and_key(tmp_path, row, message):
     path = write_lines(tmp_path / "rows.jsonl", [json.dumps({"prompt": "1=", "answer": "1"}), json.dumps(row)])
-    with pytest.raises(UsageError, match=rf"{re.escape(path)}, line 2: .*{re.escape(message)}"):
+    with pytest.raises(UsageError, match=rf"{re.escape(path)}, line 2\b.*{re.escape(message)}"):
         load_task(f"jsonl:{path}")
 
 
