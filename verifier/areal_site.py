@@ -100,11 +100,7 @@ def _load():
         for name in set(sys.modules) - before:
             if name.startswith("areal"):
                 sys.modules.pop(name, None)
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        peer_site.restore(saved)
     package = types.ModuleType("areal.utils.functional")  # what the package's __init__ re-exports
     package.__dict__.update({k: v for k, v in vars(functional).items() if not k.startswith("__")})
     package.gather_logprobs, package.gather_logprobs_entropy = vocab.gather_logprobs, vocab.gather_logprobs_entropy

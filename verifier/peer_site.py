@@ -25,6 +25,15 @@ def find(package, marker, install):
     return root
 
 
+def restore(saved):
+    """sys.modules as `saved` ({name: the module, or None where there was none}) had it."""
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+
+
 @contextlib.contextmanager
 def stubbed(names, fill=None):
     """Empty modules for `names` (each given to `fill` first, when given) while the peer's files load, then
@@ -37,11 +46,7 @@ def stubbed(names, fill=None):
     try:
         yield {name: sys.modules[name] for name in names}
     finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        restore(saved)
 
 
 class _Meta(type):

@@ -58,11 +58,7 @@ def _utils(root):
     finally:  # SkyRL's modules stay loaded under this adapter's names; sys.modules is as it was
         for name in names:
             sys.modules.pop(name, None)
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        peer_site.restore(saved)
     ppo_utils.repopulate_all_registries()
     return ppo_utils, torch_utils
 
