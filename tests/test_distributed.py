@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
 import ppo
 from machinery import checkpoints, dumps, generation, models, prompt_cache
@@ -175,7 +174,7 @@ def run_updates(script, task, configs, out_dir, patch=setattr):
         losses.append([sum(terms["loss"].item() for terms in micro_terms), dist.local(gradient).item()])
         check(step, run_dir, dump, reward, micro_terms, gradient)
 
-    patch(common, "generate", fixed_generate)
+    patch(generation, "generate", fixed_generate)
     patch(dumps, "stop_if_not_finite", record)
     # Each row's prompt computed on its own, on one process as on two: under FSDP the update cannot share it
     # (prompt_cache.is_sharded), and sharing adds in another order (~1e-7), which Adam's first steps magnify.
