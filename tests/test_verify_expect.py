@@ -211,3 +211,27 @@ def test_the_whitening_expectations_against_an_independent_computation():
     assert torch.allclose(floored_whiten(x, mask, 1e-8), population * mask, atol=1e-6)
     flat = torch.tensor([[1.0, 1.0 + 1e-6]])
     assert torch.allclose(floored_whiten(flat, torch.ones(1, 2), 1e-2), (flat - flat.mean()) * 10, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "errors, lower, upper",
+    [
+        ((-1.0, 0.07), True, False),
+        ((0.07, 0.85), False, True),
+        ((-1.0, 0.07, 0.85), True, True),
+        ((0.1,), False, False),
+    ],
+)
+def test_each_clip_of_the_controller_is_exercised_on_its_own_side(errors, lower, upper):
+    """A dump whose KL errors reach only the lower clip (-1) must not count the upper one as exercised: a wrong upper
+    clip shows only past +0.2, so the PASS line names it as never exercised there; and the reverse."""
+    from verifier.conditions import controller_conditions
+    from verifier.report import Report
+
+    report = Report({}, "ppo")
+    for error in errors:
+        controller_conditions(report, error)
+    met = report.rows["kl_coef"]["conditions"]
+    assert met["a KL error below -0.2 (the controller's lower clip)"] is lower
+    assert met["a KL error above +0.2 (the controller's upper clip)"] is upper
+    assert met["a KL error within +-0.2 of the target (not clipped)"] is any(abs(e) < 0.2 for e in errors)
